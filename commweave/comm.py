@@ -1,0 +1,278 @@
+"""The one place commweave issues collectives.
+
+Every function takes its process group explicitly (``dist.group.WORLD`` for the world; ``None`` is
+refused so that no call silently falls back to the default group), works on gloo and NCCL, and
+reports its wire bytes to the open ledgers (:mod:`commweave.ledger`). Point-to-point peers are
+*ranks inside the group*, so ring code can compute them in group coordinates.
+
+Tensors are sent as they are: the caller makes them contiguous where layout matters; the functions
+here make flat views so gloo accepts N-d buffers (design/traps.md: gloo rejects an N-d input with a
+flat output in all-gather).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from commweave import ledger
+
+# The originals, captured once: trace_torch_distributed() patches the public names for foreign code
+# (DeepSpeed's MoE, Ulysses) and must not count our own calls twice.
+_all_to_all_single = dist.all_to_all_single
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_reduce = dist.all_reduce
+_broadcast = dist.broadcast
+_isend = dist.isend
+_irecv = dist.irecv
+_batch_isend_irecv = dist.batch_isend_irecv
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+        "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT}
+
+_names: dict[int, tuple[object, str]] = {}
+
+
+def _check_group(group) -> None:
+    if group is None:
+        raise ValueError("group=None: commweave passes process groups explicitly; "
+                         "use torch.distributed.group.WORLD for the world group")
+
+
+def set_group_name(group, name: str) -> None:
+    """Name a group for the ledger (groups created by DeepSpeed or Megatron get a readable label)."""
+    _check_group(group)
+    _names[id(group)] = (group, name)
+
+
+def group_name(group) -> str:
+    """The ledger label of a group: its registered name, "world", or "ranks(0,2,4)"."""
+    _check_group(group)
+    known = _names.get(id(group))
+    if known is not None and known[0] is group:
+        return known[1]
+    if group is dist.group.WORLD:
+        return "world"
+    return "ranks(" + ",".join(map(str, dist.get_process_group_ranks(group))) + ")"
+
+
+def new_group(ranks: Sequence[int], name: str | None = None, timeout: timedelta | None = None):
+    """``dist.new_group`` with a ledger name. Collective: every rank of the world must call it."""
+    group = dist.new_group(ranks=list(ranks), timeout=timeout)
+    if name is not None and group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+        set_group_name(group, name)
+    return group
+
+
+def size(group) -> int:
+    _check_group(group)
+    return dist.get_world_size(group)
+
+
+def rank(group) -> int:
+    _check_group(group)
+    return dist.get_rank(group)
+
+
+def global_rank(group, group_rank: int) -> int:
+    _check_group(group)
+    return dist.get_global_rank(group, group_rank)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError(f"collective buffers must be contiguous, got shape {tuple(t.shape)} "
+                         f"with strides {t.stride()}")
+    return t.view(-1)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group,
+               output_splits: Sequence[int] | None = None, input_splits: Sequence[int] | None = None,
+               async_op: bool = False):
+    """``all_to_all_single`` along dim 0 (equal splits unless given, in rows of dim 0)."""
+    _check_group(group)
+    g, me = size(group), rank(group)
+    row_in = _nbytes(input) // max(input.shape[0], 1) if input.dim() else _nbytes(input)
+    row_out = _nbytes(output) // max(output.shape[0], 1) if output.dim() else _nbytes(output)
+    if input_splits is None:
+        if input.shape[0] % g:
+            raise ValueError(f"all_to_all: input dim 0 ({input.shape[0]}) must divide by the group "
+                             f"size {g} when no splits are given")
+        self_in = _nbytes(input) // g
+    else:
+        self_in = input_splits[me] * row_in
+    self_out = _nbytes(output) // g if output_splits is None else output_splits[me] * row_out
+    ledger.record("all_to_all", group_name(group), _nbytes(input) - self_in, _nbytes(output) - self_out)
+    return _all_to_all_single(output, input.contiguous(),
+                              output_split_sizes=None if output_splits is None else list(output_splits),
+                              input_split_sizes=None if input_splits is None else list(input_splits),
+                              group=group, async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
+    """Gather every rank's ``input`` into ``output`` (rank order, concatenated on dim 0)."""
+    _check_group(group)
+    g = size(group)
+    if output.numel() != g * input.numel():
+        raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
+                         f"{g} x {input.numel()}")
+    n = _nbytes(input) * (g - 1)
+    ledger.record("all_gather", group_name(group), n, n)
+    return _all_gather(_flat(output), input.contiguous().view(-1), group=group, async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, op: str = "sum",
+                   async_op: bool = False):
+    """Reduce ``input`` over the group; rank r keeps the r-th of g equal slices (dim 0 order)."""
+    _check_group(group)
+    g = size(group)
+    if input.numel() != g * output.numel():
+        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
+                         f"{g} x {output.numel()}")
+    n = _nbytes(output) * (g - 1)
+    ledger.record("reduce_scatter", group_name(group), n, n)
+    return _reduce_scatter(_flat(output), input.contiguous().view(-1), op=_OPS[op], group=group,
+                           async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group, op: str = "sum", async_op: bool = False):
+    _check_group(group)
+    g = size(group)
+    n = 2 * _nbytes(tensor) * (g - 1) // g
+    ledger.record("all_reduce", group_name(group), n, n)
+    return _all_reduce(tensor, op=_OPS[op], group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group, async_op: bool = False):
+    """Broadcast from ``src``, a rank inside ``group``."""
+    _check_group(group)
+    g, me = size(group), rank(group)
+    sent = _nbytes(tensor) * (g - 1) if me == src else 0
+    ledger.record("broadcast", group_name(group), sent, 0 if me == src else _nbytes(tensor))
+    return _broadcast(tensor, src=global_rank(group, src), group=group, async_op=async_op)
+
+
+def isend(tensor: torch.Tensor, peer: int, group, tag: int = 0):
+    """Asynchronous send to ``peer``, a rank inside ``group``; returns the Work handle."""
+    _check_group(group)
+    ledger.record("send", group_name(group), _nbytes(tensor), 0)
+    return _isend(tensor, dst=global_rank(group, peer), group=group, tag=tag)
+
+
+def irecv(tensor: torch.Tensor, peer: int, group, tag: int = 0):
+    """Asynchronous receive from ``peer``, a rank inside ``group``; returns the Work handle."""
+    _check_group(group)
+    ledger.record("recv", group_name(group), 0, _nbytes(tensor))
+    return _irecv(tensor, src=global_rank(group, peer), group=group, tag=tag)
+
+
+def send(tensor: torch.Tensor, peer: int, group, tag: int = 0) -> None:
+    isend(tensor, peer, group, tag).wait()
+
+
+def recv(tensor: torch.Tensor, peer: int, group, tag: int = 0) -> None:
+    irecv(tensor, peer, group, tag).wait()
+
+
+@dataclass(frozen=True, slots=True)
+class P2P:
+    """One half of a batched exchange: ``op`` is "send" or "recv", ``peer`` a rank inside ``group``."""
+
+    op: str
+    tensor: torch.Tensor
+    peer: int
+    group: object
+    tag: int = 0
+
+
+def batch_p2p(ops: Sequence[P2P]) -> list:
+    """Post a set of sends and receives together (NCCL groups them; gloo posts them in order).
+
+    Returns the Work handles; wait on all of them before reading the received buffers.
+    """
+    if not ops:
+        return []
+    p2p = []
+    for o in ops:
+        _check_group(o.group)
+        if o.op not in ("send", "recv"):
+            raise ValueError(f"P2P.op must be 'send' or 'recv', got {o.op!r}")
+        n = _nbytes(o.tensor)
+        ledger.record(o.op, group_name(o.group), n if o.op == "send" else 0, n if o.op == "recv" else 0)
+        p2p.append(dist.P2POp(_isend if o.op == "send" else _irecv, o.tensor,
+                              global_rank(o.group, o.peer), o.group, o.tag))
+    return _batch_isend_irecv(p2p)
+
+
+def wait_all(works) -> None:
+    for w in works:
+        if w is not None:
+            w.wait()
+
+
+@contextmanager
+def trace_torch_distributed() -> Iterator[None]:
+    """Count collectives that foreign code (DeepSpeed's MoE, Ulysses) issues via ``torch.distributed``.
+
+    Patches the public ``torch.distributed`` functions for the duration of the block and restores them
+    afterwards. Code that cached a function object before the block (DeepSpeed's backend caches its
+    all-gather function at init) is not seen; call sites that look the name up at call time are.
+    """
+
+    def wrap(fn, kind):
+        def recorded(*args, **kwargs):
+            bound = _bind(fn, args, kwargs)
+            group = bound.get("group") or dist.group.WORLD
+            if kind == "all_to_all":
+                t_in, t_out = bound["input"], bound["output"]
+                s_in, s_out = bound.get("input_split_sizes"), bound.get("output_split_sizes")
+                me, g = dist.get_rank(group), dist.get_world_size(group)
+                row_in = _nbytes(t_in) // max(t_in.shape[0], 1)
+                row_out = _nbytes(t_out) // max(t_out.shape[0], 1)
+                self_in = _nbytes(t_in) // g if not s_in else s_in[me] * row_in
+                self_out = _nbytes(t_out) // g if not s_out else s_out[me] * row_out
+                ledger.record(kind, group_name(group), _nbytes(t_in) - self_in, _nbytes(t_out) - self_out)
+            elif kind == "all_gather":
+                n = _nbytes(bound.get("input_tensor", bound.get("tensor"))) * (dist.get_world_size(group) - 1)
+                ledger.record(kind, group_name(group), n, n)
+            elif kind == "reduce_scatter":
+                n = _nbytes(bound["output"]) * (dist.get_world_size(group) - 1)
+                ledger.record(kind, group_name(group), n, n)
+            elif kind == "all_reduce":
+                g = dist.get_world_size(group)
+                n = 2 * _nbytes(bound["tensor"]) * (g - 1) // g
+                ledger.record(kind, group_name(group), n, n)
+            elif kind in ("send", "recv"):
+                n = _nbytes(bound["tensor"])
+                ledger.record(kind, group_name(group), n if kind == "send" else 0, n if kind == "recv" else 0)
+            return fn(*args, **kwargs)
+
+        return recorded
+
+    table = {"all_to_all_single": "all_to_all", "all_gather_into_tensor": "all_gather",
+             "all_gather_single": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+             "reduce_scatter_single": "reduce_scatter", "all_reduce": "all_reduce",
+             "send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
+    saved = {name: getattr(dist, name) for name in table if hasattr(dist, name)}
+    try:
+        for name, fn in saved.items():
+            setattr(dist, name, wrap(fn, table[name]))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _bind(fn, args, kwargs) -> dict:
+    return dict(inspect.signature(fn).bind(*args, **kwargs).arguments)

@@ -1,0 +1,1 @@
+"""ATLAS and BubbleTea: the deepspeed launcher patch for training across data centers."""

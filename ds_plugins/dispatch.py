@@ -1,0 +1,209 @@
+"""Fused MoE dispatch and combine, in DeepSpeed's sparse-route format, with autograd.
+
+``dispatch`` places tokens in per-expert buffers and ``combine`` brings the expert outputs back,
+weighted by the gates. They return what ``deepspeed.moe.sharded_moe._sparse_encode`` and
+``_sparse_decode`` return for the same routes (``TopKGate(..., sparse_routes)`` output plugs straight
+in), but in one pass over the data each way instead of several tensor ops. The maths, the route
+format and the shape legend (S, M, E, C, k) are in :mod:`ds_plugins.reference`.
+
+Three paths, reported by :func:`backend`: ``"cuda"`` and ``"cpu"`` run the kernels of the extension
+``ds_plugins._C`` (csrc/); ``"torch"`` runs :mod:`ds_plugins.reference`, with one warning saying why
+(the extension is not built, or was built without CUDA kernels and the tensors are on a GPU).
+
+Every argument is checked before any kernel runs; bad input raises ValueError naming the argument and
+the rule. Two live routes claiming the same (expert, slot) are rejected too: DeepSpeed's gates never
+produce that, and a buffer slot can hold one token. The value checks (index ranges, slot collisions)
+cost a few small reductions over the k·S routes and, on a GPU, one host synchronisation per call; they
+are skipped while torch.compile traces and for meta tensors.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+
+import torch
+
+from ds_plugins import reference
+
+try:
+    from ds_plugins import _C  # registers torch.ops.commweave.*
+except ImportError as error:  # not built: fall back to the reference (one warning, at first use)
+    _C = None
+    _IMPORT_ERROR: ImportError | None = error
+else:
+    _IMPORT_ERROR = None
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_warned: set[str] = set()
+
+
+def backend(device: torch.device | str | None = None) -> str:
+    """Which path dispatch/combine take for tensors on ``device``: "cuda", "cpu" or "torch".
+
+    ``device=None`` means the default accelerator: CUDA when one is visible, else the CPU.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = torch.device(device).type
+    if _C is None:
+        return "torch"
+    if kind == "cpu":
+        return "cpu"
+    if kind == "cuda" and _C.WITH_CUDA:
+        return "cuda"
+    return "torch"
+
+
+def _warn_fallback(device: torch.device) -> None:
+    if _C is None:
+        reason = (f"the extension ds_plugins._C is not built ({_IMPORT_ERROR}); build it with "
+                  "`pip install --no-build-isolation -e .` or `python setup.py build_ext --inplace`")
+    else:
+        reason = (f"ds_plugins._C was built without CUDA kernels and the tensors are on {device}; "
+                  "rebuild on a machine with CUDA torch and a CUDA toolkit (COMMWEAVE_CUDA=1)")
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"commweave dispatch/combine run the pure-torch reference (slow): {reason}",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _check_tensor(name: str, t, shape: str, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor {shape}, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {shape}, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} {shape} must have dtype {allowed}, got {t.dtype}")
+
+
+def _check_count(name: str, value, minimum: int) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        count = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
+    if count < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {count}")
+    return count
+
+
+def _check_route_shapes(indices, locations, num_tokens: int, source: str, device: torch.device) -> None:
+    _check_tensor("indices", indices, "[k, S]", 2, (torch.int32,))
+    _check_tensor("locations", locations, "[k, S]", 2, (torch.int32,))
+    if locations.shape != indices.shape:
+        raise ValueError(f"locations {tuple(locations.shape)} must have the shape of indices "
+                         f"{tuple(indices.shape)}, [k, S]")
+    k, routed_tokens = indices.shape
+    if k < 1:
+        raise ValueError("indices [k, S] must have k >= 1 routes per token, got k = 0")
+    if routed_tokens != num_tokens:
+        raise ValueError(f"indices [k, S] has S = {routed_tokens} tokens but {source} has {num_tokens}: "
+                         "S must match")
+    for name, t in (("indices", indices), ("locations", locations)):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {source} is on {device}: use one device")
+
+
+def _check_route_values(indices: torch.Tensor, locations: torch.Tensor, num_experts: int,
+                        capacity: int) -> None:
+    """Index ranges and slot collisions of live routes, with one host sync."""
+    if indices.device.type == "meta" or torch.compiler.is_compiling():
+        return
+    live = indices >= 0
+    bad_index = (indices < -1) | (indices >= num_experts)
+    bad_location = live & ((locations < 0) | (locations >= capacity))
+    valid = live & ~bad_index & ~bad_location
+    slots = torch.where(valid, indices.long() * capacity + locations, num_experts * capacity)
+    claims = torch.bincount(slots.reshape(-1), minlength=num_experts * capacity + 1)[:-1]
+    flags = torch.stack([bad_index.any(), bad_location.any(), (claims > 1).any()]).tolist()
+    if flags[0]:
+        j, s = (int(v) for v in bad_index.nonzero()[0])
+        raise ValueError(f"indices[{j}, {s}] = {int(indices[j, s])}: expert indices must be -1 "
+                         f"(dropped route) or in [0, num_experts = {num_experts})")
+    if flags[1]:
+        j, s = (int(v) for v in bad_location.nonzero()[0])
+        raise ValueError(f"locations[{j}, {s}] = {int(locations[j, s])} on a live route (expert "
+                         f"{int(indices[j, s])}): locations must be in [0, capacity = {capacity})")
+    if flags[2]:
+        slot = int((claims > 1).nonzero()[0])
+        (j0, s0), (j1, s1) = ((int(a), int(b)) for a, b in (slots == slot).nonzero()[:2])
+        raise ValueError(f"routes (j={j0}, s={s0}) and (j={j1}, s={s1}) both claim expert "
+                         f"{slot // capacity}, location {slot % capacity}: a slot holds one token")
+
+
+def dispatch(x: torch.Tensor, indices: torch.Tensor, locations: torch.Tensor, num_experts: int,
+             capacity: int) -> torch.Tensor:
+    """Place each routed token of x[S, M] in its expert slot: returns [E, C, M], empty slots zero.
+
+    Same result as ``_sparse_encode(x, _route_slots(indices, locations, E, C), E, C)``; differentiable
+    in x (its gradient sums the k routes of each token).
+    """
+    _check_tensor("x", x, "[S, M]", 2, _FLOATS)
+    num_experts = _check_count("num_experts", num_experts, 1)
+    capacity = _check_count("capacity", capacity, 0)
+    _check_route_shapes(indices, locations, x.shape[0], "x [S, M]", x.device)
+    _check_route_values(indices, locations, num_experts, capacity)
+    path = backend(x.device)
+    if path == "torch":
+        _warn_fallback(x.device)
+        return reference.dispatch(x, indices, locations, num_experts, capacity)
+    return torch.ops.commweave.dispatch(x, indices, locations, num_experts, capacity)
+
+
+def combine(expert_output: torch.Tensor, indices: torch.Tensor, locations: torch.Tensor,
+            gates: torch.Tensor) -> torch.Tensor:
+    """Bring the expert outputs [E, C, M] back to tokens: y[S, M] = Σ_j gates[j, s] · route (j, s).
+
+    Same result as ``_sparse_decode``: accumulated in fp32 (fp64 when an operand is fp64) and
+    returned in the dtype of expert_output. Differentiable in expert_output and gates.
+    """
+    _check_tensor("expert_output", expert_output, "[E, C, M]", 3, _FLOATS)
+    _check_tensor("gates", gates, "[k, S]", 2, (torch.float32, torch.float64))
+    _check_route_shapes(indices, locations, gates.shape[1], "gates [k, S]", expert_output.device)
+    if gates.shape != indices.shape:
+        raise ValueError(f"gates {tuple(gates.shape)} must have the shape of indices "
+                         f"{tuple(indices.shape)}, [k, S]")
+    if gates.device != expert_output.device:
+        raise ValueError(f"gates is on {gates.device} but expert_output is on {expert_output.device}: "
+                         "use one device")
+    num_experts, capacity, _ = expert_output.shape
+    if num_experts < 1:
+        raise ValueError("expert_output [E, C, M] must have E >= 1 experts, got 0")
+    _check_route_values(indices, locations, num_experts, capacity)
+    path = backend(expert_output.device)
+    if path == "torch":
+        _warn_fallback(expert_output.device)
+        return reference.combine(expert_output, indices, locations, gates)
+    return torch.ops.commweave.combine(expert_output, indices, locations, gates)
+
+
+def _dispatch_setup(ctx, inputs, output) -> None:
+    x, indices, locations, _, _ = inputs
+    ctx.save_for_backward(indices, locations)
+    ctx.num_tokens = x.shape[0]
+
+
+def _dispatch_backward(ctx, grad):
+    indices, locations = ctx.saved_tensors
+    return torch.ops.commweave.dispatch_backward(grad, indices, locations, ctx.num_tokens), None, None, \
+        None, None
+
+
+def _combine_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _combine_backward(ctx, grad):
+    expert_output, indices, locations, gates = ctx.saved_tensors
+    need_expert, need_gates = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
+    grad_expert, grad_gates = torch.ops.commweave.combine_backward(
+        grad, expert_output, indices, locations, gates, need_expert, need_gates)
+    return (grad_expert if need_expert else None), None, None, (grad_gates if need_gates else None)
+
+
+if _C is not None:
+    torch.library.register_autograd("commweave::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
+    torch.library.register_autograd("commweave::combine", _combine_backward, setup_context=_combine_setup)

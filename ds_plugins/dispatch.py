@@ -207,3 +207,28 @@ def _combine_backward(ctx, grad):
 if _C is not None:
     torch.library.register_autograd("commweave::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
     torch.library.register_autograd("commweave::combine", _combine_backward, setup_context=_combine_setup)
+
+
+def _dispatch_fake(x, indices, locations, num_experts, capacity):
+    return x.new_empty(num_experts, capacity, x.shape[1])
+
+
+def _dispatch_backward_fake(grad, indices, locations, num_tokens):
+    return grad.new_empty(num_tokens, grad.shape[2])
+
+
+def _combine_fake(expert_output, indices, locations, gates):
+    return expert_output.new_empty(indices.shape[1], expert_output.shape[2])
+
+
+def _combine_backward_fake(grad, expert_output, indices, locations, gates, need_expert_grad, need_gates_grad):
+    return (expert_output.new_empty(expert_output.shape if need_expert_grad else (0,)),
+            gates.new_empty(gates.shape if need_gates_grad else (0,)))
+
+
+if _C is not None:
+    # Shape-only kernels: meta tensors, FakeTensor tracing and torch.compile use these.
+    torch.library.register_fake("commweave::dispatch", _dispatch_fake)
+    torch.library.register_fake("commweave::dispatch_backward", _dispatch_backward_fake)
+    torch.library.register_fake("commweave::combine", _combine_fake)
+    torch.library.register_fake("commweave::combine_backward", _combine_backward_fake)

@@ -11,6 +11,7 @@
 
 TORCH_LIBRARY(commweave, m) {
   m.set_python_module("ds_plugins.dispatch");
+  m.def("find_route_fault(Tensor indices, Tensor locations, int num_experts, int capacity) -> int[]");
   m.def("dispatch(Tensor x, Tensor indices, Tensor locations, int num_experts, int capacity) -> Tensor");
   m.def("dispatch_backward(Tensor grad, Tensor indices, Tensor locations, int num_tokens) -> Tensor");
   m.def("combine(Tensor expert_output, Tensor indices, Tensor locations, Tensor gates) -> Tensor");
@@ -20,6 +21,7 @@ TORCH_LIBRARY(commweave, m) {
 }
 
 TORCH_LIBRARY_IMPL(commweave, CPU, m) {
+  m.impl("find_route_fault", &commweave::find_route_fault_cpu);
   m.impl("dispatch", &commweave::dispatch_cpu);
   m.impl("dispatch_backward", &commweave::dispatch_backward_cpu);
   m.impl("combine", &commweave::combine_cpu);

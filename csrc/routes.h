@@ -82,6 +82,14 @@ inline std::vector<int32_t> slot_owners(const int32_t* indices, const int32_t* l
   return owner;
 }
 
+// The first fault in a set of routes, for the Python wrappers' error messages: {} when there is none,
+// {kBadIndex, r} (an expert index outside [-1, E)), {kBadLocation, r} (a live route's location outside
+// [0, C)), {kCollision, r, earlier} (route r claims the slot of an earlier route); r = j * S + s, the
+// first such route in that order, index faults before location faults before collisions.
+enum RouteFault : int64_t { kBadIndex = 1, kBadLocation = 2, kCollision = 3 };
+std::vector<int64_t> find_route_fault_cpu(const at::Tensor& indices, const at::Tensor& locations,
+                                      int64_t num_experts, int64_t capacity);
+
 // Rows per parallel task: at least 64 KB of traffic, so waking the second thread pays off.
 inline int64_t grain_rows(int64_t row_bytes) {
   return std::max<int64_t>(1, (int64_t{64} << 10) / std::max<int64_t>(row_bytes, 1));

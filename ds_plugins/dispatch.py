@@ -107,31 +107,53 @@ def _check_route_shapes(indices, locations, num_tokens: int, source: str, device
             raise ValueError(f"{name} is on {t.device} but {source} is on {device}: use one device")
 
 
-def _check_route_values(indices: torch.Tensor, locations: torch.Tensor, num_experts: int,
-                        capacity: int) -> None:
-    """Index ranges and slot collisions of live routes, with one host sync."""
-    if indices.device.type == "meta" or torch.compiler.is_compiling():
-        return
+_BAD_INDEX, _BAD_LOCATION, _COLLISION = 1, 2, 3  # csrc/routes.h, RouteFault
+
+
+def _find_route_fault_torch(indices: torch.Tensor, locations: torch.Tensor, num_experts: int,
+                            capacity: int) -> list[int]:
+    """torch.ops.commweave.find_route_fault for any device, with one host sync when all is well."""
     live = indices >= 0
     bad_index = (indices < -1) | (indices >= num_experts)
     bad_location = live & ((locations < 0) | (locations >= capacity))
-    valid = live & ~bad_index & ~bad_location
-    slots = torch.where(valid, indices.long() * capacity + locations, num_experts * capacity)
-    claims = torch.bincount(slots.reshape(-1), minlength=num_experts * capacity + 1)[:-1]
+    slots = torch.where(live & ~bad_location, indices.long() * capacity + locations, -1)
+    claims = torch.bincount(slots.clamp(-1, num_experts * capacity).reshape(-1) + 1,
+                            minlength=num_experts * capacity + 2)[1:-1]
     flags = torch.stack([bad_index.any(), bad_location.any(), (claims > 1).any()]).tolist()
     if flags[0]:
-        j, s = (int(v) for v in bad_index.nonzero()[0])
+        return [_BAD_INDEX, int(bad_index.reshape(-1).nonzero()[0])]
+    if flags[1]:
+        return [_BAD_LOCATION, int(bad_location.reshape(-1).nonzero()[0])]
+    if flags[2]:  # the first route, in (j, s) order, whose slot an earlier route holds
+        owner: dict[int, int] = {}
+        for r, slot in enumerate(slots.reshape(-1).tolist()):
+            if slot >= 0 and owner.setdefault(slot, r) != r:
+                return [_COLLISION, r, owner[slot]]
+    return []
+
+
+def _check_route_values(indices: torch.Tensor, locations: torch.Tensor, num_experts: int,
+                        capacity: int) -> None:
+    """Index ranges and slot collisions of live routes (skipped while tracing: they read values)."""
+    if indices.device.type == "meta" or torch.compiler.is_compiling():
+        return
+    if _C is not None and indices.device.type == "cpu":
+        fault = torch.ops.commweave.find_route_fault(indices, locations, num_experts, capacity)
+    else:
+        fault = _find_route_fault_torch(indices, locations, num_experts, capacity)
+    if not fault:
+        return
+    num_tokens = indices.shape[1]
+    j, s = divmod(fault[1], num_tokens)
+    if fault[0] == _BAD_INDEX:
         raise ValueError(f"indices[{j}, {s}] = {int(indices[j, s])}: expert indices must be -1 "
                          f"(dropped route) or in [0, num_experts = {num_experts})")
-    if flags[1]:
-        j, s = (int(v) for v in bad_location.nonzero()[0])
+    if fault[0] == _BAD_LOCATION:
         raise ValueError(f"locations[{j}, {s}] = {int(locations[j, s])} on a live route (expert "
                          f"{int(indices[j, s])}): locations must be in [0, capacity = {capacity})")
-    if flags[2]:
-        slot = int((claims > 1).nonzero()[0])
-        (j0, s0), (j1, s1) = ((int(a), int(b)) for a, b in (slots == slot).nonzero()[:2])
-        raise ValueError(f"routes (j={j0}, s={s0}) and (j={j1}, s={s1}) both claim expert "
-                         f"{slot // capacity}, location {slot % capacity}: a slot holds one token")
+    j0, s0 = divmod(fault[2], num_tokens)
+    raise ValueError(f"routes (j={j0}, s={s0}) and (j={j}, s={s}) both claim expert {int(indices[j, s])}, "
+                     f"location {int(locations[j, s])}: a slot holds one token")
 
 
 def dispatch(x: torch.Tensor, indices: torch.Tensor, locations: torch.Tensor, num_experts: int,

@@ -163,3 +163,16 @@ def test_missing_extension_falls_back_to_the_reference_with_one_warning():
     count, category, message = done.stdout.strip().split(" ", 2)
     assert (count, category) == ("1", "RuntimeWarning")
     assert "pure-torch reference" in message and "ds_plugins._C is not built" in message
+
+
+@pytest.mark.parametrize("case", ["index too big", "index below -1", "location >= capacity", "location < 0",
+                                  "slot collision"])
+def test_both_fault_finders_agree(case):
+    """The C++ finder serves CPU routes, the torch one GPU routes and the fallback: same faults."""
+    assert ops.backend("cpu") == "cpu", "build ds_plugins._C first"
+    _, idx, loc, num_experts, capacity = _dispatch_cases()[case][0]
+    fault = torch.ops.commweave.find_route_fault(idx, loc, num_experts, capacity)
+    assert fault and fault == ops._find_route_fault_torch(idx, loc, num_experts, capacity)
+    idx, loc, _ = _routes()
+    assert torch.ops.commweave.find_route_fault(idx, loc, E, C) == []
+    assert ops._find_route_fault_torch(idx, loc, E, C) == []

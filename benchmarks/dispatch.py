@@ -107,6 +107,7 @@ def _ours(case: Case):
         y = combine(dispatch(x, case.indices, case.locations, case.num_experts, case.capacity), case.indices,
                     case.locations, gates)
         y.backward(case.dy)
+        return y, x.grad
 
     return step
 
@@ -123,6 +124,7 @@ def _deepspeed(case: Case):
         dispatched = _sparse_encode(x, slots, case.num_experts, case.capacity)
         y = _sparse_decode(dispatched.view(-1, d_model), slots, gates, tokens)
         y.backward(case.dy)
+        return y, x.grad
 
     return step
 
@@ -154,6 +156,7 @@ def _megatron(case: Case):
         y = unpermute(permuted, sorted_indices, x.shape, probs=probs, routing_map=routing_map,
                       drop_and_pad=True)
         y.backward(case.dy)
+        return y, x.grad
 
     return step
 
@@ -165,6 +168,7 @@ def _copy(case: Case):
     return lambda: dst.copy_(src)
 
 
+# Each maker returns a step: forward+backward, returning (y, dx) (the copy returns its output).
 METHODS = {"ours": _ours, "deepspeed": _deepspeed, "megatron": _megatron, "copy": _copy}
 
 

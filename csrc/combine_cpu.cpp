@@ -53,11 +53,17 @@ void weighted_sum_backward(const T* grad, const T* expert, const int32_t* idx, c
       for (int64_t j = 0; j < k; ++j) {
         const int64_t r = j * num_tokens + s;
         const int64_t slot = route_slot(idx[r], loc[r], num_experts, capacity);
-        if (grad_gates != nullptr) {
-          grad_gates[r] = slot < 0 ? A(0) : rows::dot(dy, expert + slot * d_model, d_model);
-        }
-        if (grad_expert != nullptr && slot >= 0) {
+        if (slot < 0) {
+          if (grad_gates != nullptr) {
+            grad_gates[r] = 0;
+          }
+        } else if (grad_expert != nullptr && grad_gates != nullptr) {
+          grad_gates[r] = rows::scale_and_dot(grad_expert + slot * d_model, dy, gates[r],
+                                              expert + slot * d_model, d_model);
+        } else if (grad_expert != nullptr) {
           rows::scale(grad_expert + slot * d_model, dy, gates[r], d_model);
+        } else {
+          grad_gates[r] = rows::dot(dy, expert + slot * d_model, d_model);
         }
       }
     }

@@ -31,6 +31,9 @@ at::Tensor dispatch_cpu(const at::Tensor& x, const at::Tensor& indices, const at
   auto* dst = static_cast<char*>(out.mutable_data_ptr());
   at::parallel_for(0, num_experts * capacity, grain_rows(row), [&](int64_t begin, int64_t end) {
     for (int64_t slot = begin; slot < end; ++slot) {
+      if (slot + rows::kAhead < end && owner[slot + rows::kAhead] >= 0) {
+        rows::prefetch(src + (owner[slot + rows::kAhead] % num_tokens) * row, row);
+      }
       const int32_t r = owner[slot];
       if (r < 0) {
         std::memset(dst + slot * row, 0, row);

@@ -69,6 +69,29 @@ inline void scale(T* __restrict out, const A* __restrict a, A w, int64_t n) {
   }
 }
 
+// out = w * a, rounded to the storage type, and <a, row> in the accumulate type, in one pass over a.
+// The dot product keeps kBlock partial sums (lanes the compiler maps onto vector registers).
+template <typename T, typename A>
+inline A scale_and_dot(T* __restrict out, const A* __restrict a, A w, const T* __restrict row, int64_t n) {
+  A lanes[kBlock] = {};
+  int64_t m = 0;
+  for (; m + kBlock <= n; m += kBlock) {
+    for (int64_t i = 0; i < kBlock; ++i) {
+      out[m + i] = static_cast<T>(w * a[m + i]);
+      lanes[i] += a[m + i] * static_cast<A>(row[m + i]);
+    }
+  }
+  A sum = 0;
+  for (; m < n; ++m) {
+    out[m] = static_cast<T>(w * a[m]);
+    sum += a[m] * static_cast<A>(row[m]);
+  }
+  for (int64_t i = 0; i < kBlock; ++i) {
+    sum += lanes[i];
+  }
+  return sum;
+}
+
 // <a, row> in the accumulate type
 template <typename A, typename T>
 inline A dot(const A* __restrict a, const T* __restrict row, int64_t n) {

@@ -15,6 +15,14 @@ namespace commweave::cuda {
 
 enum class Dtype { kHalf, kBFloat16, kFloat, kDouble };
 
+// The route faults find_route_fault_cpu reports (routes.h), found in parallel: faults[0] = the first
+// route whose index is outside [-1, E), faults[1] = the first live route whose location is outside
+// [0, C), faults[2] = the first route whose slot an earlier route claims, and claimant[slot] = the first
+// route claiming each slot. The caller fills faults with all ones (none) and claimant with INT32_MAX.
+cudaError_t launch_find_route_faults(const int32_t* indices, const int32_t* locations, int64_t routes,
+                                     int64_t num_experts, int64_t capacity, int32_t* claimant,
+                                     unsigned long long* faults, cudaStream_t stream);
+
 // owner[e * C + c] = the route r = j * S + s that claims slot (e, c); the caller fills owner with -1.
 cudaError_t launch_slot_owners(const int32_t* indices, const int32_t* locations, int64_t routes,
                                int64_t num_experts, int64_t capacity, int32_t* owner, cudaStream_t stream);

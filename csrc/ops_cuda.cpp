@@ -12,6 +12,9 @@
 #include "dispatch.h"
 #include "kernels_cuda.h"
 
+#include <limits>
+#include <vector>
+
 #define COMMWEAVE_CUDA_CALL(expr)                                                                   \
   do {                                                                                              \
     const cudaError_t err_ = (expr);                                                                \
@@ -51,6 +54,35 @@ at::Tensor slot_owners_cuda(const at::Tensor& idx, const at::Tensor& loc, int64_
 }
 
 }  // namespace
+
+std::vector<int64_t> find_route_fault_cuda(const at::Tensor& indices, const at::Tensor& locations,
+                                           int64_t num_experts, int64_t capacity) {
+  check_routes(indices, locations, indices.size(1), indices);
+  check_cuda(indices, "indices");
+  const c10::cuda::CUDAGuard guard(indices.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto idx = indices.contiguous();
+  const auto loc = locations.contiguous();
+  auto claimant = at::full({num_experts * capacity}, std::numeric_limits<int32_t>::max(), idx.options());
+  auto faults = at::full({3}, -1, idx.options().dtype(at::kLong));  // all ones: no fault
+  COMMWEAVE_CUDA_CALL(cuda::launch_find_route_faults(
+      idx.const_data_ptr<int32_t>(), loc.const_data_ptr<int32_t>(), idx.numel(), num_experts, capacity,
+      claimant.mutable_data_ptr<int32_t>(),
+      reinterpret_cast<unsigned long long*>(faults.mutable_data_ptr<int64_t>()), stream));
+  const auto found = faults.cpu();  // the one synchronisation
+  const int64_t* f = found.const_data_ptr<int64_t>();
+  if (f[0] >= 0) {
+    return {kBadIndex, f[0]};
+  }
+  if (f[1] >= 0) {
+    return {kBadLocation, f[1]};
+  }
+  if (f[2] >= 0) {
+    const int64_t slot = idx.view(-1)[f[2]].item<int64_t>() * capacity + loc.view(-1)[f[2]].item<int64_t>();
+    return {kCollision, f[2], claimant[slot].item<int64_t>()};
+  }
+  return {};
+}
 
 at::Tensor dispatch_cuda(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& locations,
                          int64_t num_experts, int64_t capacity) {
@@ -149,6 +181,7 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_cuda(const at::Tensor& grad,
 }  // namespace commweave
 
 TORCH_LIBRARY_IMPL(commweave, CUDA, m) {
+  m.impl("find_route_fault", &commweave::find_route_fault_cuda);
   m.impl("dispatch", &commweave::dispatch_cuda);
   m.impl("dispatch_backward", &commweave::dispatch_backward_cuda);
   m.impl("combine", &commweave::combine_cuda);

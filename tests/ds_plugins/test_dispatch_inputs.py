@@ -165,14 +165,35 @@ def test_missing_extension_falls_back_to_the_reference_with_one_warning():
     assert "pure-torch reference" in message and "ds_plugins._C is not built" in message
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("case", ["index too big", "index below -1", "location >= capacity", "location < 0",
                                   "slot collision"])
-def test_both_fault_finders_agree(case):
-    """The C++ finder serves CPU routes, the torch one GPU routes and the fallback: same faults."""
-    assert ops.backend("cpu") == "cpu", "build ds_plugins._C first"
+def test_fault_finders_agree(case, device):
+    """The kernels' finders (C++, CUDA) and the torch one (the fallback) report the same fault."""
+    assert ops.backend(device) == device, f"build ds_plugins._C with {device} kernels first"
     _, idx, loc, num_experts, capacity = _dispatch_cases()[case][0]
+    idx, loc = idx.to(device), loc.to(device)
     fault = torch.ops.commweave.find_route_fault(idx, loc, num_experts, capacity)
     assert fault and fault == ops._find_route_fault_torch(idx, loc, num_experts, capacity)
-    idx, loc, _ = _routes()
+    idx, loc, _ = (t.to(device) for t in _routes())
     assert torch.ops.commweave.find_route_fault(idx, loc, E, C) == []
     assert ops._find_route_fault_torch(idx, loc, E, C) == []
+
+
+def test_checked_routes_are_rechecked_after_an_in_place_change():
+    """combine may reuse dispatch's check of the same route tensors, never of modified ones."""
+    x, eo = torch.randn(S, M), torch.randn(E, C, M)
+    idx, loc, gates = _routes()
+    ops.dispatch(x, idx, loc, E, C)
+    ops.combine(eo, idx, loc, gates)
+    loc[1, 3] = 0  # now collides with route (0, 0)
+    with pytest.raises(ValueError, match="both claim expert 0, location 0"):
+        ops.combine(eo, idx, loc, gates)
+    loc[1, 3] = 2
+    idx[0, 1] = 9
+    with pytest.raises(ValueError, match=r"indices\[0, 1\] = 9"):
+        ops.dispatch(x, idx, loc, E, C)

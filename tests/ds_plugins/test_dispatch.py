@@ -58,14 +58,16 @@ def test_forward_matches_reference_and_deepspeed(case, dtype, device):
     x, expert_output = _data(routes, dtype, device)
     dispatched = ops.dispatch(x, routes.indices, routes.locations, routes.num_experts, routes.capacity)
     combined = ops.combine(expert_output, routes.indices, routes.locations, routes.gates)
+    # The oracles run on the CPU, where torch sums the k routes in order (a GPU reduction may pair them).
+    routes, x, expert_output = _to(routes, "cpu"), x.cpu(), expert_output.cpu()
     slots = _route_slots(routes.indices, routes.locations, routes.num_experts, routes.capacity)
     # dispatch is a permutation: bit-exact. combine rounds each gate product, then sums the routes in
     # order in fp32 (fp64), exactly as _sparse_decode does: bit-exact too.
-    assert torch.equal(dispatched, _sparse_encode(x, slots, routes.num_experts, routes.capacity))
-    assert torch.equal(combined, _sparse_decode(expert_output.view(-1, M), slots, routes.gates,
-                                                routes.num_tokens))
-    assert torch.equal(combined, reference.combine(expert_output, routes.indices, routes.locations,
-                                                   routes.gates))
+    assert torch.equal(dispatched.cpu(), _sparse_encode(x, slots, routes.num_experts, routes.capacity))
+    assert torch.equal(combined.cpu(), _sparse_decode(expert_output.view(-1, M), slots, routes.gates,
+                                                      routes.num_tokens))
+    assert torch.equal(combined.cpu(), reference.combine(expert_output, routes.indices, routes.locations,
+                                                         routes.gates))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -83,15 +85,16 @@ def test_backward_matches_the_oracle(case, dtype, device):
     grad_dispatched, grad_combined = torch.randn_like(dispatched), torch.randn_like(combined)
     torch.autograd.backward([dispatched, combined], [grad_dispatched, grad_combined])
 
-    assert torch.equal(x.grad, reference.dispatch_backward(grad_dispatched, routes.indices,
-                                                           routes.locations, routes.num_tokens))
-    grad_expert, grad_gates = reference.combine_backward(grad_combined, expert_output.detach(),
+    routes = _to(routes, "cpu")  # oracles on the CPU, as above
+    assert torch.equal(x.grad.cpu(), reference.dispatch_backward(grad_dispatched.cpu(), routes.indices,
+                                                                 routes.locations, routes.num_tokens))
+    grad_expert, grad_gates = reference.combine_backward(grad_combined.cpu(), expert_output.detach().cpu(),
                                                          routes.indices, routes.locations, routes.gates)
-    assert torch.equal(expert_output.grad, grad_expert)
+    assert torch.equal(expert_output.grad.cpu(), grad_expert)
     # A dot product over M: the kernel's vectorised order differs from torch's sum.
     tol = {torch.float64: 1e-12}.get(dtype, 1e-5)
-    torch.testing.assert_close(gates.grad, grad_gates, rtol=tol, atol=tol)
-    assert (gates.grad[routes.indices < 0] == 0).all()
+    torch.testing.assert_close(gates.grad.cpu(), grad_gates, rtol=tol, atol=tol)
+    assert (gates.grad.cpu()[routes.indices < 0] == 0).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -44,15 +44,18 @@ def _extension():
     cpp = sorted(os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "csrc", "*.cpp")))
     cuda_glue = [p for p in cpp if p.endswith("_cuda.cpp")]
     common = [p for p in cpp if p not in cuda_glue]
-    cxx = ["-O3", "-std=c++17"]
+    # -fopenmp: at::parallel_for is inline in torch's headers and runs on one thread unless the
+    # extension itself is compiled with OpenMP (it then joins torch's OpenMP pool, libgomp.so.1).
+    # No -std: torch's build helpers pick the standard its headers need (C++20 for torch 2.13).
+    cxx = ["-O3", "-fopenmp"]
+    link = ["-fopenmp"]
     if _want_cuda():
         cu = sorted(os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "csrc", "*.cu")))
         return CUDAExtension(
             "ds_plugins._C", common + cuda_glue + cu,
-            define_macros=[("COMMWEAVE_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--use_fast_math",
-                                                     "-lineinfo"]})
-    return CppExtension("ds_plugins._C", common, extra_compile_args={"cxx": cxx})
+            define_macros=[("COMMWEAVE_WITH_CUDA", "1")], extra_link_args=link,
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-lineinfo"]})
+    return CppExtension("ds_plugins._C", common, extra_compile_args={"cxx": cxx}, extra_link_args=link)
 
 
 setup(

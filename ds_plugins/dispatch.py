@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+import weakref
 
 import torch
 
@@ -107,31 +108,76 @@ def _check_route_shapes(indices, locations, num_tokens: int, source: str, device
             raise ValueError(f"{name} is on {t.device} but {source} is on {device}: use one device")
 
 
-def _check_route_values(indices: torch.Tensor, locations: torch.Tensor, num_experts: int,
-                        capacity: int) -> None:
-    """Index ranges and slot collisions of live routes, with one host sync."""
-    if indices.device.type == "meta" or torch.compiler.is_compiling():
-        return
+_BAD_INDEX, _BAD_LOCATION, _COLLISION = 1, 2, 3  # csrc/routes.h, RouteFault
+
+
+def _find_route_fault_torch(indices: torch.Tensor, locations: torch.Tensor, num_experts: int,
+                            capacity: int) -> list[int]:
+    """torch.ops.commweave.find_route_fault for any device, with one host sync when all is well."""
     live = indices >= 0
     bad_index = (indices < -1) | (indices >= num_experts)
     bad_location = live & ((locations < 0) | (locations >= capacity))
-    valid = live & ~bad_index & ~bad_location
-    slots = torch.where(valid, indices.long() * capacity + locations, num_experts * capacity)
-    claims = torch.bincount(slots.reshape(-1), minlength=num_experts * capacity + 1)[:-1]
+    slots = torch.where(live & ~bad_location, indices.long() * capacity + locations, -1)
+    claims = torch.bincount(slots.clamp(-1, num_experts * capacity).reshape(-1) + 1,
+                            minlength=num_experts * capacity + 2)[1:-1]
     flags = torch.stack([bad_index.any(), bad_location.any(), (claims > 1).any()]).tolist()
     if flags[0]:
-        j, s = (int(v) for v in bad_index.nonzero()[0])
+        return [_BAD_INDEX, int(bad_index.reshape(-1).nonzero()[0])]
+    if flags[1]:
+        return [_BAD_LOCATION, int(bad_location.reshape(-1).nonzero()[0])]
+    if flags[2]:  # the first route, in (j, s) order, whose slot an earlier route holds
+        owner: dict[int, int] = {}
+        for r, slot in enumerate(slots.reshape(-1).tolist()):
+            if slot >= 0 and owner.setdefault(slot, r) != r:
+                return [_COLLISION, r, owner[slot]]
+    return []
+
+
+class _LastChecked:
+    """The routes checked last: combine reuses dispatch's verdict on the very same, unmodified tensors
+    (the same objects, same version counters), which spares a second pass and, on a GPU, a second sync."""
+
+    def __init__(self) -> None:
+        self.refs: tuple[weakref.ref, weakref.ref] | None = None
+        self.state: tuple[int, int, int, int] = (0, 0, 0, 0)
+
+    def hit(self, indices, locations, num_experts: int, capacity: int) -> bool:
+        return (self.refs is not None and self.refs[0]() is indices and self.refs[1]() is locations
+                and self.state == (indices._version, locations._version, num_experts, capacity))
+
+    def store(self, indices, locations, num_experts: int, capacity: int) -> None:
+        self.refs = (weakref.ref(indices), weakref.ref(locations))
+        self.state = (indices._version, locations._version, num_experts, capacity)
+
+
+_last_checked = _LastChecked()
+
+
+def _check_route_values(indices: torch.Tensor, locations: torch.Tensor, num_experts: int,
+                        capacity: int) -> None:
+    """Index ranges and slot collisions of live routes (skipped while tracing: they read values)."""
+    if indices.device.type == "meta" or torch.compiler.is_compiling():
+        return
+    if _last_checked.hit(indices, locations, num_experts, capacity):
+        return
+    if backend(indices.device) != "torch":
+        fault = torch.ops.commweave.find_route_fault(indices, locations, num_experts, capacity)
+    else:
+        fault = _find_route_fault_torch(indices, locations, num_experts, capacity)
+    if not fault:
+        _last_checked.store(indices, locations, num_experts, capacity)
+        return
+    num_tokens = indices.shape[1]
+    j, s = divmod(fault[1], num_tokens)
+    if fault[0] == _BAD_INDEX:
         raise ValueError(f"indices[{j}, {s}] = {int(indices[j, s])}: expert indices must be -1 "
                          f"(dropped route) or in [0, num_experts = {num_experts})")
-    if flags[1]:
-        j, s = (int(v) for v in bad_location.nonzero()[0])
+    if fault[0] == _BAD_LOCATION:
         raise ValueError(f"locations[{j}, {s}] = {int(locations[j, s])} on a live route (expert "
                          f"{int(indices[j, s])}): locations must be in [0, capacity = {capacity})")
-    if flags[2]:
-        slot = int((claims > 1).nonzero()[0])
-        (j0, s0), (j1, s1) = ((int(a), int(b)) for a, b in (slots == slot).nonzero()[:2])
-        raise ValueError(f"routes (j={j0}, s={s0}) and (j={j1}, s={s1}) both claim expert "
-                         f"{slot // capacity}, location {slot % capacity}: a slot holds one token")
+    j0, s0 = divmod(fault[2], num_tokens)
+    raise ValueError(f"routes (j={j0}, s={s0}) and (j={j}, s={s}) both claim expert {int(indices[j, s])}, "
+                     f"location {int(locations[j, s])}: a slot holds one token")
 
 
 def dispatch(x: torch.Tensor, indices: torch.Tensor, locations: torch.Tensor, num_experts: int,
@@ -207,3 +253,28 @@ def _combine_backward(ctx, grad):
 if _C is not None:
     torch.library.register_autograd("commweave::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
     torch.library.register_autograd("commweave::combine", _combine_backward, setup_context=_combine_setup)
+
+
+def _dispatch_fake(x, indices, locations, num_experts, capacity):
+    return x.new_empty(num_experts, capacity, x.shape[1])
+
+
+def _dispatch_backward_fake(grad, indices, locations, num_tokens):
+    return grad.new_empty(num_tokens, grad.shape[2])
+
+
+def _combine_fake(expert_output, indices, locations, gates):
+    return expert_output.new_empty(indices.shape[1], expert_output.shape[2])
+
+
+def _combine_backward_fake(grad, expert_output, indices, locations, gates, need_expert_grad, need_gates_grad):
+    return (expert_output.new_empty(expert_output.shape if need_expert_grad else (0,)),
+            gates.new_empty(gates.shape if need_gates_grad else (0,)))
+
+
+if _C is not None:
+    # Shape-only kernels: meta tensors, FakeTensor tracing and torch.compile use these.
+    torch.library.register_fake("commweave::dispatch", _dispatch_fake)
+    torch.library.register_fake("commweave::dispatch_backward", _dispatch_backward_fake)
+    torch.library.register_fake("commweave::combine", _combine_fake)
+    torch.library.register_fake("commweave::combine_backward", _combine_backward_fake)

@@ -1,0 +1,254 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issue 6): on the GPU machine that some sessions are lent (the device tool's
+# nvidia-h200: Python 3.12, torch 2.11+cu130, nvcc 13.0, pytest, no deepspeed or megatron-core), in one
+# short run from the repository root:
+#   1. gpu      the GPU and torch's CUDA are there
+#   2. wheels   install deepspeed, megatron-core and their missing needs from the carried .whl/
+#               (fetched beforehand with benchmarks/fetch_gpu_wheels.sh; see benchmarks/gpu_wheels.py)
+#   3. build    build ds_plugins._C with the CUDA kernels: COMMWEAVE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0
+#   4. tests    pytest -m cuda: the dispatch/combine kernels and their backward against the reference
+#               (fp32/bf16/fp16/fp64), and every other test marked cuda (WallFacer's block kernel,
+#               Parm's layer on one GPU)
+#   5. bench    python -m benchmarks.dispatch --device cuda: ours vs DeepSpeed's sparse path, megatron-core's
+#               permute/unpermute and a device-to-device copy
+# Each step prints PASS, FAIL or SKIP with its time; a failed step skips the ones that need it. The whole
+# log, the pytest report, the benchmark's output and summary.json go to $OUT (the device tool sets it;
+# default .gpu_check/). Exit status 0 only if every step passed. Warm-machine budget: under 7 minutes.
+#
+# From a session with the device tool:
+#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
+#
+# --dry-run (CI, no GPU): checks what the run needs without a GPU: the syntax of this script and of
+# fetch_gpu_wheels.sh and csrc/nvcc_check.sh (shellcheck when installed), every tool the run calls, that
+# setup.py still reads COMMWEAVE_CUDA, that the carried wheels (or, without .whl/, the local installs'
+# metadata) resolve on the GPU image, that `pytest -m cuda` collects tests, and the benchmark end to end
+# on a tiny CPU shape. (CI compiles the .cu files separately: csrc/nvcc_check.sh.)
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+repo="$PWD"
+
+out="${OUT:-$repo/.gpu_check}"
+log="$out/gpu_check.log"
+python="${PYTHON:-python3}"
+site=/tmp/commweave_site
+start=$SECONDS
+
+say() { echo "$*" | tee -a "$log"; }
+
+# step NAME LIMIT_S FUNCTION: run FUNCTION (below) under a time limit, in a child of this script so
+# that `timeout` can stop it, with its output in the log; print and record the verdict.
+step() {
+    local name="$1" limit="$2" fn="$3" t0=$SECONDS rc
+    echo -e "\n=== $name: $fn" >> "$log"
+    timeout --kill-after=10 "$limit" bash "$repo/benchmarks/gpu_check.sh" --step "$fn" >> "$log" 2>&1
+    rc=$?
+    local took=$((SECONDS - t0))
+    if [[ $rc -eq 0 ]]; then
+        say "PASS $name (${took}s)"
+        printf '%s\tPASS\t%s\t\n' "$name" "$took" >> "$steps"
+    else
+        local why="exit $rc"
+        [[ $rc -eq 124 || $rc -eq 137 ]] && why="timed out after ${limit}s"
+        local last
+        last="$(tail -n 15 "$log" | sed 's/^/    /')"
+        say "FAIL $name (${took}s): $why; last lines:"
+        echo "$last"
+        printf '%s\tFAIL\t%s\t%s\n' "$name" "$took" "$why" >> "$steps"
+    fi
+    return $rc
+}
+
+skip() {
+    say "SKIP $1: $2"
+    printf '%s\tSKIP\t0\t%s\n' "$1" "$2" >> "$steps"
+}
+
+# summary.json from the recorded steps and, where present, the benchmark's JSON line and pytest's report.
+write_summary() {
+    "$python" - "$steps" "$out" "$dry_run" "$((SECONDS - start))" <<'PY'
+import json, pathlib, sys, xml.etree.ElementTree as ET
+steps_file, out, dry_run, seconds = sys.argv[1], pathlib.Path(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
+steps = [dict(zip(("name", "status", "seconds", "detail"), line.rstrip("\n").split("\t")))
+         for line in open(steps_file) if line.strip()]
+for s in steps:
+    s["seconds"] = int(s["seconds"])
+summary = {"dry_run": dry_run, "seconds": seconds, "steps": steps,
+           "passed": all(s["status"] == "PASS" for s in steps if not (dry_run and s["status"] == "SKIP"))}
+report = out / "pytest_cuda.xml"
+if report.exists():
+    suite = ET.parse(report).getroot()
+    suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
+    summary["pytest"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+bench = out / "bench.txt"
+if bench.exists():
+    lines = [l for l in bench.read_text().splitlines() if l.startswith("{")]
+    if lines:
+        summary["benchmark"] = json.loads(lines[-1])
+(out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+print(json.dumps({k: summary[k] for k in summary if k != "steps"}))
+PY
+}
+
+install_wheels() {
+    rm -rf "$site"
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+        .whl/*.whl || return 1
+    PYTHONPATH="$site:$repo" "$python" -c "
+import deepspeed, megatron.core, torch
+from deepspeed.moe.sharded_moe import _sparse_encode
+from megatron.core.transformer.moe.moe_utils import permute
+print('deepspeed', deepspeed.__version__, 'megatron-core', megatron.core.__version__, 'torch', torch.__version__)"
+}
+
+gpu_info() {
+    nvidia-smi -L || return 1
+    "$python" -c "
+import sys, torch
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)
+assert torch.cuda.is_available(), 'torch sees no CUDA device'
+print(torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))"
+}
+
+build_cuda() {
+    rm -f ds_plugins/_C*.so
+    COMMWEAVE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS="${MAX_JOBS:-16}" "$python" setup.py build_ext --inplace \
+        || return 1
+    "$python" -c "
+from ds_plugins import dispatch
+assert dispatch.backend('cuda') == 'cuda', dispatch.backend('cuda')
+print('ds_plugins._C with CUDA kernels: backend', dispatch.backend('cuda'))"
+}
+
+run_tests() {
+    "$python" -m pytest -m cuda -q -p no:cacheprovider --junitxml="$out/pytest_cuda.xml" tests
+}
+
+run_bench() {
+    "$python" -m benchmarks.dispatch --device cuda --no-progress 2>&1 | tee "$out/bench.txt"
+}
+
+run_gpu() {
+    say "commweave GPU check on $(uname -n), $(date -u +%FT%TZ), OUT=$out"
+    step gpu 60 gpu_info || { skip wheels "no usable GPU"; skip build "no usable GPU"; skip tests "no usable GPU"
+                              skip bench "no usable GPU"; return; }
+    local have_wheels=1
+    if compgen -G ".whl/*.whl" > /dev/null; then
+        step wheels 180 install_wheels || have_wheels=0
+    else
+        skip wheels "no .whl/*.whl carried (bash benchmarks/fetch_gpu_wheels.sh, then carry .whl)"
+        have_wheels=0
+    fi
+    if [[ $have_wheels -eq 1 ]]; then
+        export PYTHONPATH="$site:$repo${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    if ! step build 300 build_cuda; then
+        skip tests "the CUDA build failed"
+        skip bench "the CUDA build failed"
+        return
+    fi
+    step tests 300 run_tests
+    if [[ $have_wheels -eq 1 ]]; then
+        step bench 240 run_bench
+    else
+        skip bench "deepspeed and megatron-core are not installed (no wheels)"
+    fi
+}
+
+# --- dry run -------------------------------------------------------------------------------------------
+
+lint_scripts() {
+    local script
+    for script in benchmarks/gpu_check.sh benchmarks/fetch_gpu_wheels.sh csrc/nvcc_check.sh; do
+        bash -n "$script" || return 1
+        if command -v shellcheck > /dev/null; then
+            shellcheck "$script" || return 1
+        fi
+    done
+    command -v shellcheck > /dev/null && echo "shellcheck: clean" || echo "shellcheck not installed: bash -n only"
+}
+
+tools_exist() {
+    local tool missing=0
+    for tool in "$python" bash timeout tee sed tail mktemp compgen uname date rm; do
+        if ! command -v "$tool" > /dev/null; then
+            echo "missing: $tool"
+            missing=1
+        fi
+    done
+    for tool in nvidia-smi nvcc; do
+        command -v "$tool" > /dev/null || echo "$tool is not here (the GPU machine has it)"
+    done
+    "$python" -m pip --version && "$python" -m pytest --version && "$python" -c "import torch, setuptools" || missing=1
+    "$python" -c "
+import ast, pathlib, sys
+tree = ast.parse(pathlib.Path('setup.py').read_text())
+env = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+assert 'COMMWEAVE_CUDA' in env, 'setup.py no longer reads COMMWEAVE_CUDA'
+print('setup.py parses and reads COMMWEAVE_CUDA')" || missing=1
+    return $missing
+}
+
+check_wheels() {
+    "$python" -m benchmarks.gpu_wheels --list > /dev/null || return 1
+    if compgen -G ".whl/*.whl" > /dev/null; then
+        "$python" -m benchmarks.gpu_wheels --check .whl || return 1
+        if python3.12 -c "" 2> /dev/null; then
+            # pip's own verdict: every carried wheel installs on a CPython 3.12 (the GPU machine's).
+            python3.12 -m pip install -q --dry-run --no-index --no-deps --ignore-installed \
+                --target "$(mktemp -d)" .whl/*.whl && echo "python3.12 pip accepts the carried wheels"
+        else
+            echo "no working python3.12 here: pip's own check of the wheel tags skipped"
+        fi
+    else
+        echo "no .whl/ here: checking the pinned set against the local installs' metadata"
+        "$python" -m benchmarks.gpu_wheels --check
+    fi
+}
+
+collect_cuda_tests() {
+    local listing
+    listing="$("$python" -m pytest -m cuda --collect-only -q -p no:cacheprovider tests 2>&1)" || {
+        echo "$listing"
+        return 1
+    }
+    echo "$listing" | tail -n 3
+    echo "$listing" | grep -Eq '^[0-9]+/[0-9]+ tests collected|^[0-9]+ tests? collected' || {
+        echo "pytest -m cuda selected no tests"
+        return 1
+    }
+}
+
+tiny_bench() {
+    "$python" -m benchmarks.dispatch --device cpu --tokens 256 --model 64 --repeats 1 --warmup 0 --no-progress
+}
+
+run_dry() {
+    say "commweave GPU check, dry run (no GPU needed), OUT=$out"
+    step scripts 120 lint_scripts
+    step tools 120 tools_exist
+    step wheels 300 check_wheels
+    step tests 300 collect_cuda_tests
+    step bench 300 tiny_bench
+}
+
+case "${1:-}" in
+    --step)  # internal: one step's function, run by step() under its time limit
+        "$2"
+        exit $?
+        ;;
+    --dry-run) dry_run=1 ;;
+    "") dry_run=0 ;;
+    *) echo "usage: bash benchmarks/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
+esac
+mkdir -p "$out"
+: > "$log"
+steps="$(mktemp)"
+trap 'rm -f "$steps"' EXIT
+if [[ $dry_run -eq 1 ]]; then
+    run_dry
+else
+    run_gpu
+fi
+say "total $((SECONDS - start))s"
+write_summary | tee -a "$log"
+"$python" -c "import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))['passed'] else 1)" "$out/summary.json"

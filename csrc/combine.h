@@ -1,0 +1,65 @@
+// combine: expert_output[E, C, M] -> y[S, M] = sum_j gates[j, s] * expert_output[route (j, s)],
+// accumulated in fp32 (fp64 when expert_output or gates is fp64) and returned in expert_output's
+// dtype. Its backward, fused so that every grad_y row is read once:
+//   grad_expert[e, c] = gates[j, s] * grad_y[s] for the route that owns (e, c), 0 for empty slots
+//   grad_gates[j, s]  = <grad_y[s], expert_output[e, c]>, 0 for dropped routes.
+// The same results as deepspeed's _sparse_decode and its autograd.
+#pragma once
+
+#include "routes.h"
+
+#include <tuple>
+
+namespace commweave {
+
+inline void check_combine(const at::Tensor& expert_output, const at::Tensor& indices,
+                          const at::Tensor& locations, const at::Tensor& gates) {
+  check_data(expert_output, "expert_output [E, C, M]", 3);
+  TORCH_CHECK(expert_output.size(0) >= 1, "commweave: expert_output [E, C, M] needs E >= 1");
+  TORCH_CHECK(gates.dim() == 2, "commweave: gates must be [k, S], got ", gates.sizes());
+  check_routes(indices, locations, gates.size(1), expert_output);
+  TORCH_CHECK(gates.sizes() == indices.sizes(), "commweave: gates must have the shape of indices ",
+              indices.sizes(), ", got ", gates.sizes());
+  TORCH_CHECK(gates.scalar_type() == at::kFloat || gates.scalar_type() == at::kDouble,
+              "commweave: gates must be fp32 or fp64, got ", gates.scalar_type());
+  TORCH_CHECK(gates.device() == expert_output.device(), "commweave: gates must be on ",
+              expert_output.device());
+}
+
+// The dtype combine accumulates in (and converts the gates to before the kernels run).
+inline at::ScalarType combine_acc_type(const at::Tensor& expert_output, const at::Tensor& gates) {
+  return expert_output.scalar_type() == at::kDouble || gates.scalar_type() == at::kDouble ? at::kDouble
+                                                                                         : at::kFloat;
+}
+
+inline void check_combine_backward(const at::Tensor& grad, const at::Tensor& expert_output,
+                                   const at::Tensor& indices, const at::Tensor& locations,
+                                   const at::Tensor& gates) {
+  check_combine(expert_output, indices, locations, gates);
+  TORCH_CHECK(grad.dim() == 2 && grad.size(0) == indices.size(1) && grad.size(1) == expert_output.size(2)
+                  && grad.scalar_type() == expert_output.scalar_type() && grad.device() == gates.device(),
+              "commweave: grad must be ", expert_output.scalar_type(), " [S, M] = [", indices.size(1), ", ",
+              expert_output.size(2), "] on ", gates.device(), ", got ", grad.scalar_type(), " ", grad.sizes());
+}
+
+at::Tensor combine_cpu(const at::Tensor& expert_output, const at::Tensor& indices,
+                       const at::Tensor& locations, const at::Tensor& gates);
+std::tuple<at::Tensor, at::Tensor> combine_backward_cpu(const at::Tensor& grad,
+                                                        const at::Tensor& expert_output,
+                                                        const at::Tensor& indices,
+                                                        const at::Tensor& locations,
+                                                        const at::Tensor& gates, bool need_expert_grad,
+                                                        bool need_gates_grad);
+
+#ifdef COMMWEAVE_WITH_CUDA
+at::Tensor combine_cuda(const at::Tensor& expert_output, const at::Tensor& indices,
+                        const at::Tensor& locations, const at::Tensor& gates);
+std::tuple<at::Tensor, at::Tensor> combine_backward_cuda(const at::Tensor& grad,
+                                                         const at::Tensor& expert_output,
+                                                         const at::Tensor& indices,
+                                                         const at::Tensor& locations,
+                                                         const at::Tensor& gates, bool need_expert_grad,
+                                                         bool need_gates_grad);
+#endif
+
+}  // namespace commweave

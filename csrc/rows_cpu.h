@@ -1,0 +1,151 @@
+// Row loops of the CPU kernels: a row is M contiguous elements of the model dim. The loops are plain
+// element-wise code that the compiler vectorises (the reduction through `omp simd`). There is no fused
+// multiply-add: a product is rounded before it is summed, as in torch's mul-then-sum, so fp32 results
+// match deepspeed's bit for bit.
+#pragma once
+
+#include "routes.h"
+
+#include <cstdint>
+#include <cstring>
+
+namespace commweave::rows {
+
+// Elements per block of sum_rows: the block's accumulators stay in vector registers while the
+// token's routes stream through, so each output element is written once, rounded once.
+constexpr int64_t kBlock = 32;
+
+template <bool Weighted, typename T, typename A>
+inline void sum_block(T* __restrict out, const T* const* rows, const A* weights, int64_t n_rows,
+                      int64_t offset, int64_t len) {
+  A acc[kBlock];
+  const T* __restrict first = rows[0] + offset;
+  const A w0 = Weighted ? weights[0] : A(1);
+  for (int64_t i = 0; i < len; ++i) {
+    acc[i] = Weighted ? w0 * static_cast<A>(first[i]) : static_cast<A>(first[i]);
+  }
+  for (int64_t j = 1; j < n_rows; ++j) {
+    const T* __restrict row = rows[j] + offset;
+    const A w = Weighted ? weights[j] : A(1);
+    for (int64_t i = 0; i < len; ++i) {
+      acc[i] += Weighted ? w * static_cast<A>(row[i]) : static_cast<A>(row[i]);
+    }
+  }
+  for (int64_t i = 0; i < len; ++i) {
+    out[offset + i] = static_cast<T>(acc[i]);
+  }
+}
+
+// out = sum_j weights[j] * rows[j] (or the plain sum when !Weighted), summed in order j = 0, 1, ...
+// in the accumulate type A and rounded once; zeros when n_rows == 0.
+template <bool Weighted, typename T, typename A>
+inline void sum_rows(T* out, const T* const* rows, const A* weights, int64_t n_rows, int64_t n) {
+  if (n_rows == 0) {
+    std::memset(out, 0, n * sizeof(T));
+    return;
+  }
+  int64_t offset = 0;
+  for (; offset + kBlock <= n; offset += kBlock) {
+    sum_block<Weighted>(out, rows, weights, n_rows, offset, kBlock);
+  }
+  if (offset < n) {
+    sum_block<Weighted>(out, rows, weights, n_rows, offset, n - offset);
+  }
+}
+
+// acc = row, widened to the accumulate type
+template <typename A, typename T>
+inline void widen(A* __restrict acc, const T* __restrict row, int64_t n) {
+  for (int64_t m = 0; m < n; ++m) {
+    acc[m] = static_cast<A>(row[m]);
+  }
+}
+
+// out = w * a, rounded to the storage type
+template <typename T, typename A>
+inline void scale(T* __restrict out, const A* __restrict a, A w, int64_t n) {
+  for (int64_t m = 0; m < n; ++m) {
+    out[m] = static_cast<T>(w * a[m]);
+  }
+}
+
+// out = w * a, rounded to the storage type, and <a, row> in the accumulate type, in one pass over a.
+// The dot product keeps kBlock partial sums (lanes the compiler maps onto vector registers).
+template <typename T, typename A>
+inline A scale_and_dot(T* __restrict out, const A* __restrict a, A w, const T* __restrict row, int64_t n) {
+  A lanes[kBlock] = {};
+  int64_t m = 0;
+  for (; m + kBlock <= n; m += kBlock) {
+    for (int64_t i = 0; i < kBlock; ++i) {
+      out[m + i] = static_cast<T>(w * a[m + i]);
+      lanes[i] += a[m + i] * static_cast<A>(row[m + i]);
+    }
+  }
+  A sum = 0;
+  for (; m < n; ++m) {
+    out[m] = static_cast<T>(w * a[m]);
+    sum += a[m] * static_cast<A>(row[m]);
+  }
+  for (int64_t i = 0; i < kBlock; ++i) {
+    sum += lanes[i];
+  }
+  return sum;
+}
+
+// <a, row> in the accumulate type
+template <typename A, typename T>
+inline A dot(const A* __restrict a, const T* __restrict row, int64_t n) {
+  A sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t m = 0; m < n; ++m) {
+    sum += a[m] * static_cast<A>(row[m]);
+  }
+  return sum;
+}
+
+// Ask for a row a few tokens ahead: the gathers jump between random rows of a few KB, too short for
+// the hardware prefetcher to ramp up on its own.
+inline void prefetch(const void* row, int64_t bytes) {
+  const auto* p = static_cast<const char*>(row);
+  for (int64_t off = 0; off < bytes; off += 64) {
+    __builtin_prefetch(p + off);
+  }
+}
+
+// The live routes of token s: their rows in `buffer` [E * C, M] (and their gates, when given),
+// in route order j = 0, 1, ...; returns how many there are.
+template <typename T, typename A>
+inline int64_t token_routes(int64_t s, const int32_t* idx, const int32_t* loc, const A* gates, int64_t k,
+                            int64_t num_tokens, int64_t num_experts, int64_t capacity, const T* buffer,
+                            int64_t d_model, const T** rows, A* weights) {
+  int64_t live = 0;
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t r = j * num_tokens + s;
+    const int64_t slot = route_slot(idx[r], loc[r], num_experts, capacity);
+    if (slot >= 0) {
+      rows[live] = buffer + slot * d_model;
+      if (gates != nullptr) {
+        weights[live] = gates[r];
+      }
+      ++live;
+    }
+  }
+  return live;
+}
+
+// Prefetch the rows of token s's live routes (skips anything out of range: the kernel checks later).
+template <typename T>
+inline void prefetch_routes(int64_t s, const int32_t* idx, const int32_t* loc, int64_t k, int64_t num_tokens,
+                            int64_t num_experts, int64_t capacity, const T* buffer, int64_t d_model) {
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t r = j * num_tokens + s;
+    if (idx[r] >= 0 && idx[r] < num_experts && loc[r] >= 0 && loc[r] < capacity) {
+      prefetch(buffer + (idx[r] * capacity + loc[r]) * d_model, d_model * static_cast<int64_t>(sizeof(T)));
+    }
+  }
+}
+
+// Tokens ahead whose rows are prefetched.
+constexpr int64_t kAhead = 2;
+
+}  // namespace commweave::rows

@@ -1,0 +1,2 @@
+def choose(layer, x):
+    raise NotImplementedError

@@ -1,0 +1,291 @@
+"""One MoE layer, forward + backward, side by side: DeepSpeed's installed MoE and ParmMoE's schedules.
+
+    python -m benchmarks.moe_layer                 # the default config of issue 3
+    python -m benchmarks.moe_layer --grid          # S1 vs S2 vs "auto" over a grid of layer configs
+
+Default: 4 ranks (tp 2, ep 2) on gloo, E = 8, k = 2, M = 1024, FFN 4096, 4096 tokens per rank,
+capacity factor 1.25, fp32, 4 overlap chunks. Rows:
+
+    DeepSpeed MoE    deepspeed.moe.layer.MoE 0.19.8 with enable_expert_tensor_parallelism and a
+                     Megatron-style tensor-parallel expert (megatron-core's copy / reduce mappings), as
+                     Megatron-DeepSpeed runs it: drop, A2A, AG, expert with AR, drop, A2A, AG (parm.md §2.2)
+    parm deepspeed   ParmMoE, schedule "deepspeed": the order Parm was measured against (§2.1)
+    parm s1 / s2     ParmMoE, Parm's schedules (§2.3, §2.4) with the chunked overlap (§2.6)
+    parm auto        ParmMoE, "auto" (its one-off micro-benchmark runs in the warm-up)
+
+Each row: median over iterations of the slowest rank's time, bytes per rank per group from the ledger
+(DeepSpeed's collectives counted with commweave.comm.trace_torch_distributed), and the speed-up over
+DeepSpeed. Then the alpha-beta model's *projections* (not measurements) for two GPU clusters, and one
+JSON line of ratios. On gloo, DeepSpeed's tensor-parallel token gather needs a shim (design/traps.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from commweave import comm, ledger
+from commweave.world import World
+
+
+@dataclass(frozen=True)
+class Config:
+    ranks: int = 4
+    tp: int = 2
+    ep: int = 2
+    experts: int = 8
+    k: int = 2
+    hidden: int = 1024
+    ffn: int = 4096
+    tokens: int = 4096
+    capacity_factor: float = 1.25
+    chunks: int = 4
+    dtype: str = "fp32"
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ROWS = ("DeepSpeed MoE", "parm deepspeed", "parm s1", "parm s2", "parm auto")
+
+
+def _gloo_gather_tokens(input_, dim=0):
+    """DeepSpeed's ``_gather_tokens`` with a ``[tp·d0, ...]`` buffer: gloo rejects its flat one."""
+    from deepspeed.utils import groups
+
+    tp = groups.mpu.get_tensor_model_parallel_world_size()
+    input_ = input_.contiguous()
+    buf = input_.new_empty((tp * input_.shape[0], *input_.shape[1:]))
+    dist.all_gather_into_tensor(buf, input_, group=groups.mpu.get_tensor_model_parallel_group())
+    return torch.cat(buf.chunk(tp), dim=dim).contiguous()
+
+
+class _TensorParallelMLP(nn.Module):
+    """Megatron-DeepSpeed's expert with expert tensor parallelism: column-parallel fc1, row-parallel fc2."""
+
+    def __init__(self, m: int, h: int, tp: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(m, h // tp), nn.Linear(h // tp, m)
+
+    def forward(self, x):
+        from deepspeed.utils import groups
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+
+        group = groups.mpu.get_tensor_model_parallel_group()
+        h = F.gelu(self.fc1(copy_to_tensor_model_parallel_region(x, group)))
+        return reduce_from_tensor_model_parallel_region(F.linear(h, self.fc2.weight), group) + self.fc2.bias
+
+
+def _layer(row: str, cfg: Config):
+    from deepspeed.moe.layer import MoE
+
+    from ds_plugins import ParmMoE
+
+    kw = dict(num_experts=cfg.experts, ep_size=cfg.ep, k=cfg.k, capacity_factor=cfg.capacity_factor,
+              eval_capacity_factor=cfg.capacity_factor, min_capacity=0, enable_expert_tensor_parallelism=True)
+    torch.manual_seed(1)
+    if row == "DeepSpeed MoE":
+        expert = _TensorParallelMLP(cfg.hidden, cfg.ffn, cfg.tp) if cfg.tp > 1 else \
+            nn.Sequential(nn.Linear(cfg.hidden, cfg.ffn), nn.GELU(), nn.Linear(cfg.ffn, cfg.hidden))
+        layer = MoE(cfg.hidden, expert, **kw)
+    else:
+        expert = nn.Sequential(nn.Linear(cfg.hidden, cfg.ffn), nn.GELU(), nn.Linear(cfg.ffn, cfg.hidden))
+        layer = ParmMoE(cfg.hidden, expert, schedule=row.split()[-1], overlap_chunks=cfg.chunks, **kw)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        layer.deepspeed_moe.gate.wg.weight.normal_()  # the same routing in every row
+    layer.set_deepspeed_parallelism()
+    if cfg.ep > 1:
+        comm.set_group_name(layer.deepspeed_moe.ep_group, "ep")  # DeepSpeed's own group, as ParmMoE names it
+    return layer.to(DTYPES[cfg.dtype])
+
+
+def _step(layer, x, go) -> None:
+    out, l_aux, _ = layer(x)
+    ((out * go).sum() + l_aux).backward()
+
+
+_MPUS: dict[int, object] = {}
+
+
+def _rank_bench(cfg: Config, rows: tuple[str, ...], iters: int, warmup: int) -> dict:
+    import deepspeed
+    from deepspeed.moe import mappings
+    from deepspeed.utils import groups
+
+    from ds_plugins.groups import ModelParallelUnit
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    mappings._gather_tokens = _gloo_gather_tokens
+    if cfg.tp > 1 and cfg.tp not in _MPUS:
+        _MPUS[cfg.tp] = ModelParallelUnit(cfg.tp)
+    groups.mpu = _MPUS.get(cfg.tp)
+    groups.expert_tensor_parallel_world_size = cfg.tp
+    world = dist.group.WORLD
+    torch.manual_seed(100 + dist.get_rank() // cfg.tp)
+    dtype = DTYPES[cfg.dtype]
+    x = torch.randn(cfg.tokens, cfg.hidden, dtype=dtype, requires_grad=True)
+    go = torch.randn(cfg.tokens, cfg.hidden, dtype=dtype)
+    result = {}
+    for row in rows:
+        layer = _layer(row, cfg)
+        times = []
+        for i in range(warmup + iters):
+            comm.all_reduce(torch.zeros(1), world)
+            t0 = time.perf_counter()
+            _step(layer, x, go)
+            t = torch.tensor([time.perf_counter() - t0])
+            comm.all_reduce(t, world, op="max")
+            if i >= warmup:
+                times.append(t.item())
+        with ledger.recording() as led, comm.trace_torch_distributed():
+            _step(layer, x, go)
+        result[row] = {"ms": [t * 1e3 for t in times],
+                       "bytes": {key: v["sent"] for key, v in led.as_dict().items()},
+                       "schedule": getattr(layer, "last_schedule", None),
+                       "predicted_ms": _predicted(cfg) if row == "parm auto" else {}}
+        del layer
+    return result
+
+
+def _layer_shape(cfg: Config):
+    from ds_plugins.cost_model import LayerShape
+
+    return LayerShape(tokens=cfg.tokens, hidden=cfg.hidden, ffn=cfg.ffn, experts=cfg.experts, k=cfg.k,
+                      capacity_factor=cfg.capacity_factor, mp=cfg.tp, ep=cfg.ep, esp=cfg.tp, chunks=cfg.chunks,
+                      elem_bytes=DTYPES[cfg.dtype].itemsize)
+
+
+def _predicted(cfg: Config) -> dict:
+    """The "auto" selector's predicted fwd+bwd ms of S1 and S2 for this config (empty when MP = 1)."""
+    from ds_plugins import selector
+
+    for (_, shape), decision in selector.decisions().items():
+        if shape == _layer_shape(cfg):
+            return {s: t * 1e3 for s, t in decision["predicted_s"].items()}
+    return {}
+
+
+def _group_mb(sent: dict, group: str) -> float:
+    return sum(v for key, v in sent.items() if key.endswith("@" + group)) / 1e6
+
+
+def _load() -> str:
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def run_default(cfg: Config, iters: int, warmup: int) -> dict:
+    load_before = _load()
+    with World(cfg.ranks, timeout=3600) as world:
+        res = world.run(_rank_bench, cfg, ROWS, iters, warmup, timeout=3600)[0]
+    load_after = _load()
+    med = {row: statistics.median(r["ms"]) for row, r in res.items()}
+    base = med["DeepSpeed MoE"]
+    print(f"\nMoE layer fwd+bwd, {cfg.ranks} gloo ranks on {os.cpu_count()} cores, config {asdict(cfg)}")
+    print(f"load average before {load_before}, after {load_after}\n")
+    print(f"{'row':<18}{'ms (median)':>13}{'speed-up':>10}{'A2A ep MB':>11}{'ESP MB':>9}{'MP MB':>9}"
+          f"{'other MB':>10}  iterations (ms)")
+    for row, r in res.items():
+        sent = r["bytes"]
+        other = sum(sent.values()) / 1e6 - sum(_group_mb(sent, g) for g in ("esp", "mp")) - \
+            sent.get("all_to_all@ep", 0) / 1e6
+        label = row if row != "parm auto" else f"parm auto ({r['schedule']})"
+        print(f"{label:<18}{med[row]:>13.1f}{base / med[row]:>10.2f}{sent.get('all_to_all@ep', 0) / 1e6:>11.2f}"
+              f"{_group_mb(sent, 'esp'):>9.2f}{_group_mb(sent, 'mp'):>9.2f}{other:>10.2f}  "
+              + " ".join(f"{t:.0f}" for t in r["ms"]))
+    a2a = {row: r["bytes"].get("all_to_all@ep", 0) for row, r in res.items()}
+    print("\nPROJECTIONS (alpha-beta model, not measured): the same layer, MP = ESP = GPUs per node, EP = nodes")
+    projections = _print_projections(cfg)
+    ratios = {
+        "speedup_s1_vs_deepspeed_moe": base / med["parm s1"],
+        "speedup_s2_vs_deepspeed_moe": base / med["parm s2"],
+        "speedup_auto_vs_deepspeed_moe": base / med["parm auto"],
+        "auto_schedule": res["parm auto"]["schedule"],
+        "a2a_bytes_parm_deepspeed_over_s1": a2a["parm deepspeed"] / a2a["parm s1"],
+        "a2a_bytes_parm_deepspeed_over_s2": a2a["parm deepspeed"] / a2a["parm s2"],
+        "a2a_bytes_deepspeed_moe_over_s2": a2a["DeepSpeed MoE"] / a2a["parm s2"],
+        "projected_speedup_s2_vs_ds": projections,
+        "load_avg": load_after,
+    }
+    print(json.dumps(ratios))
+    return ratios
+
+
+def _print_projections(cfg: Config) -> dict:
+    from ds_plugins.cost_model import CLUSTERS, cluster_costs, predict
+
+    out = {}
+    for cl in CLUSTERS:
+        sh = replace(_layer_shape(cfg), mp=cl.gpus_per_node, esp=cl.gpus_per_node, ep=cl.nodes)
+        if sh.experts % sh.ep or sh.ffn % sh.esp:
+            sh = replace(sh, experts=max(sh.experts, sh.ep))
+        t = {s: predict(s, sh, cluster_costs(cl, sh)).total * 1e3 for s in ("ds-installed", "deepspeed", "s1", "s2")}
+        best = min(t["s1"], t["s2"])
+        print(f"  {cl.name} (tp={sh.mp}, ep={sh.ep}, E={sh.experts}): " +
+              ", ".join(f"{s} {v:.2f} ms" for s, v in t.items()) +
+              f"; best Parm vs DeepSpeed MoE {t['ds-installed'] / best:.2f}x, vs baseline A "
+              f"{t['deepspeed'] / best:.2f}x")
+        out[cl.name] = round(t["ds-installed"] / best, 3)
+    return out
+
+
+GRID_BASE = Config(tokens=2048, hidden=1024, ffn=1024, chunks=4)
+
+
+def grid_configs() -> list[Config]:
+    """16 layer configs on 4 ranks: (tp, ep) x k x capacity factor x FFN size."""
+    return [replace(GRID_BASE, tp=tp, ep=ep, k=k, capacity_factor=cf, ffn=ffn)
+            for tp, ep in ((2, 2), (4, 1)) for k in (1, 2) for cf in (0.5, 2.0) for ffn in (256, 1024)]
+
+
+def run_grid(iters: int, warmup: int) -> dict:
+    rows = ("parm s1", "parm s2", "parm auto")
+    print(f"\nS1 vs S2 vs auto over {len(grid_configs())} configs, 4 gloo ranks; load average {_load()}")
+    print(f"{'tp':>3}{'ep':>3}{'k':>3}{'cf':>5}{'FFN':>6}{'s1 ms':>9}{'s2 ms':>9}{'faster':>8}{'auto':>6}"
+          f"{'pred s1':>9}{'pred s2':>9}  ok")
+    hits, results = 0, []
+    with World(4, timeout=3600) as world:
+        for cfg in grid_configs():
+            res = world.run(_rank_bench, cfg, rows, iters, warmup, timeout=3600)[0]
+            pred = res["parm auto"]["predicted_ms"]
+            s1, s2 = statistics.median(res["parm s1"]["ms"]), statistics.median(res["parm s2"]["ms"])
+            faster, auto = ("s1" if s1 <= s2 else "s2"), res["parm auto"]["schedule"]
+            hits += faster == auto
+            results.append({"config": asdict(cfg), "s1_ms": s1, "s2_ms": s2, "auto": auto, "predicted": pred})
+            print(f"{cfg.tp:>3}{cfg.ep:>3}{cfg.k:>3}{cfg.capacity_factor:>5}{cfg.ffn:>6}{s1:>9.1f}{s2:>9.1f}"
+                  f"{faster:>8}{auto:>6}{pred.get('s1', 0):>9.1f}{pred.get('s2', 0):>9.1f}  "
+                  f"{'yes' if faster == auto else 'NO'}")
+    summary = {"grid_configs": len(results), "auto_picked_faster": hits,
+               "auto_picked_faster_fraction": hits / len(results), "load_avg": _load()}
+    print(json.dumps(summary))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    defaults = Config()
+    for name, value in asdict(defaults).items():
+        p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--grid", action="store_true", help="S1 vs S2 vs auto over 16 configs")
+    args = p.parse_args(argv)
+    if args.grid:
+        run_grid(args.iters, args.warmup)
+        return
+    cfg = Config(**{name: getattr(args, name) for name in asdict(defaults)})
+    run_default(cfg, args.iters, args.warmup)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""ParmConfig: the top-level ``"parm"`` section of a DeepSpeed JSON config, parsed once and validated.
+
+    {
+      "train_micro_batch_size_per_gpu": 8,
+      "parm": {"enabled": true, "schedule": "auto", "overlap_chunks": 4}
+    }
+
+DeepSpeed keeps unknown top-level sections verbatim (parm.md §5.7), so the same file configures both.
+Unknown keys inside ``"parm"`` are rejected, as DeepSpeed rejects unknown keys in its own sections.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+SCHEDULES = ("auto", "s1", "s2", "deepspeed")
+"""auto: pick S1 or S2 per layer shape with the alpha-beta model (parm.md §2.9);
+s1: MP off before the gate, on after combine (§2.3); s2: MP off after the gate, on before combine (§2.4);
+deepspeed: the DeepSpeed-MoE order Parm measured against (§2.1): duplicated gate and all-to-all on every
+MP rank and an all-reduce inside the tensor-sharded expert."""
+
+
+def check_schedule(schedule: Any) -> str:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parm schedule={schedule!r} is not one of {SCHEDULES}")
+    return schedule
+
+
+def check_overlap_chunks(chunks: Any) -> int:
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"parm overlap_chunks={chunks!r} must be an integer >= 1 (the number of pipeline "
+                         "chunks the all-to-all and the all-gather / reduce-scatter are overlapped in)")
+    return chunks
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParmConfig:
+    """Options of the ``"parm"`` section; every field is optional."""
+
+    enabled: bool = False
+    """Replace every ``deepspeed.moe.layer.MoE`` by a ``ParmMoE`` in ``ds_plugins.initialize``."""
+    schedule: str = "auto"
+    """One of :data:`SCHEDULES`."""
+    overlap_chunks: int = 4
+    """Pipeline depth r of the chunked all-to-all / all-gather overlap (parm.md §2.6)."""
+    debug: bool = False
+    """Check every S2 forward that routing is bit-identical across the MP ranks (one extra all-gather)."""
+    cost_cache: str | None = None
+    """JSON file the "auto" selector reads its fitted alpha-beta parameters from, or writes them to."""
+
+    def __post_init__(self) -> None:
+        for name in ("enabled", "debug"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"parm {name}={getattr(self, name)!r} must be true or false")
+        check_schedule(self.schedule)
+        check_overlap_chunks(self.overlap_chunks)
+        if self.cost_cache is not None and (not isinstance(self.cost_cache, str) or not self.cost_cache):
+            raise ValueError(f"parm cost_cache={self.cost_cache!r} must be a file path (string) or null")
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any]) -> ParmConfig:
+        if not isinstance(section, Mapping):
+            raise ValueError(f'the "parm" section must be a JSON object, got {type(section).__name__}')
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(section) - set(known))
+        if unknown:
+            raise ValueError(f'unknown key(s) {unknown} in the "parm" section; allowed keys: {known}')
+        return cls(**section)
+
+    @classmethod
+    def from_deepspeed(cls, config: Mapping[str, Any] | str | os.PathLike | None) -> ParmConfig:
+        """Parse the ``"parm"`` section of a DeepSpeed config given as a dict or a JSON file path."""
+        if config is None:
+            return cls()
+        if isinstance(config, str | os.PathLike):
+            with open(config) as f:
+                config = json.load(f)
+        if not isinstance(config, Mapping):
+            raise ValueError(f"DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}")
+        return cls.from_dict(config.get("parm", {}))

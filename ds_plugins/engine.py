@@ -1,0 +1,76 @@
+"""``ds_plugins.initialize``: ``deepspeed.initialize`` with Parm switched on by the config.
+
+    engine, optimizer, _, _ = ds_plugins.initialize(args=args, model=model, mpu=mpu,
+                                                    model_parameters=model.parameters())
+
+reads the ``"parm"`` section of the DeepSpeed config (from ``config``, ``config_params`` or
+``args.deepspeed_config``, as DeepSpeed does). When it is enabled, every ``deepspeed.moe.layer.MoE`` in the
+model is replaced by a ``ParmMoE`` holding the same modules and parameters (``setattr`` on its parent),
+after checking every layer on every rank: experts divisible by ep, tp x ep dividing the world, experts
+shardable when ESP > 1. Then ``deepspeed.initialize`` runs unchanged; it keeps the ``"parm"`` section
+verbatim (parm.md §5.7) and sets up the ParmMoE layers through ``set_deepspeed_parallelism``.
+"""
+
+from __future__ import annotations
+
+import deepspeed
+import torch.distributed
+from deepspeed.accelerator import get_accelerator
+from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+from deepspeed.moe.layer import MoE
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+from torch import nn
+
+from commweave import comm
+from ds_plugins import experts
+from ds_plugins.config import ParmConfig
+from ds_plugins.groups import check_layout
+from ds_plugins.moe import ParmMoE
+
+
+def _config_source(args, config, config_params):
+    """The config DeepSpeed will use: ``config``, else ``config_params``, else ``args.deepspeed_config``."""
+    if config is None:
+        config = config_params
+    for name in ("deepspeed_config", "deepscale_config"):
+        if config is None and getattr(args, name, None) is not None:
+            config = getattr(args, name)
+    return config
+
+
+def check_moe(moe: MoE, world_size: int, tp: int) -> None:
+    """Everything ParmMoE would reject later, checked on this rank alone (no collective)."""
+    check_layout(world_size, tp, moe.ep_size, moe.num_experts)
+    esp = tp if moe.enable_expert_tensor_parallelism else 1
+    for expert in moe.deepspeed_moe.experts.deepspeed_experts:
+        experts.check_shardable(expert, esp)
+
+
+def swap_moe_layers(model: nn.Module, config: ParmConfig, world_size: int, tp: int) -> nn.Module:
+    """Replace every DeepSpeed MoE in ``model`` by a ParmMoE; returns the model (itself, or its swap)."""
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE) and not isinstance(m, ParmMoE)]
+    for _, moe in found:
+        check_moe(moe, world_size, tp)
+    for name, moe in found:
+        if not name:
+            return ParmMoE.from_moe(moe, config)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, ParmMoE.from_moe(moe, config))
+    return model
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, distributed_port=TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None,
+               dist_init_required=None, collate_fn=None, config=None, mesh_param=None, config_params=None):
+    """``deepspeed.initialize`` (same arguments, same return value) with the ``"parm"`` section applied."""
+    parm = ParmConfig.from_deepspeed(_config_source(args, config, config_params))
+    if parm.enabled and model is not None:
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                                   distributed_port=distributed_port, dist_init_required=dist_init_required)
+        world = comm.size(torch.distributed.group.WORLD)
+        model = swap_moe_layers(model, parm, world, bwc_tensor_model_parallel_world_size(mpu))
+    return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                training_data=training_data, lr_scheduler=lr_scheduler,
+                                distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
+                                collate_fn=collate_fn, config=config, mesh_param=mesh_param,
+                                config_params=config_params)

@@ -1,0 +1,121 @@
+"""ParmMoE: DeepSpeed's MoE layer with Parm's dedicated schedules (Pan et al., INFOCOM 2024).
+
+A subclass of ``deepspeed.moe.layer.MoE``, so the engine finds it (it detects MoE layers with
+``isinstance``), creates its expert-parallel groups through ``set_deepspeed_parallelism`` and reduces its
+expert gradients over the expert-data-parallel groups; the gate and the experts are DeepSpeed's own
+modules with DeepSpeed's parameter tags. Only the forward differs:
+
+    gate -> schedule ("deepspeed" | "s1" | "s2", or "auto" per shape) -> (output, l_aux, exp_counts)
+
+with the output replicated over the MP ranks, as DeepSpeed's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from deepspeed.moe.layer import MoE
+from deepspeed.utils import groups as ds_groups
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_group, bwc_tensor_model_parallel_world_size
+from torch import nn
+
+from commweave import comm
+from ds_plugins import experts, selector
+from ds_plugins.config import ParmConfig, check_overlap_chunks, check_schedule
+from ds_plugins.groups import ParmGroups, check_layout
+from ds_plugins.schedules import SCHEDULES
+
+
+class ParmMoE(MoE):
+    """``deepspeed.moe.layer.MoE`` with Parm's schedules.
+
+    Arguments: every argument of ``deepspeed.moe.layer.MoE`` (same names, order and defaults), and
+
+        schedule (str): "auto" (default), "s1", "s2" or "deepspeed" (parm.md §2).
+        overlap_chunks (int): pipeline chunks of the overlapped exchanges, >= 1 (default 4).
+        debug (bool): check in every S2 forward that routing is identical across the MP ranks.
+        cost_cache (str, optional): JSON file for the "auto" selector's fitted alpha-beta parameters.
+
+    With ``enable_expert_tensor_parallelism`` the experts are sharded over ESP = the tensor-parallel group
+    when DeepSpeed creates the groups (the expert must be a plain two-layer MLP, see ds_plugins.experts);
+    otherwise ESP = 1 and any expert module works.
+    """
+
+    def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
+                 capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
+                 use_residual: bool = False, noisy_gate_policy: str | None = None, drop_tokens: bool = True,
+                 use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
+                 top2_2nd_expert_sampling: bool = True, *, schedule: str = "auto", overlap_chunks: int = 4,
+                 debug: bool = False, cost_cache: str | None = None) -> None:
+        if ep_size < 1 or num_experts % ep_size:
+            raise ValueError(f"num_experts={num_experts} must be divisible by ep_size={ep_size} "
+                             "(every EP rank holds num_experts / ep_size experts)")
+        config = ParmConfig(enabled=True, schedule=schedule, overlap_chunks=overlap_chunks, debug=debug,
+                            cost_cache=cost_cache)
+        super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
+                         min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, use_tutel,
+                         enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
+        self._init_parm(config)
+
+    @classmethod
+    def from_moe(cls, moe: MoE, config: ParmConfig) -> ParmMoE:
+        """A ParmMoE holding ``moe``'s modules and parameters (the same objects, not copies)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        for name, value in vars(moe).items():
+            if not name.startswith("_"):
+                setattr(layer, name, value)
+        for name, child in moe.named_children():
+            layer.add_module(name, child)
+        layer._init_parm(config)
+        return layer
+
+    def _init_parm(self, config: ParmConfig) -> None:
+        self.schedule = check_schedule(config.schedule)
+        self.overlap_chunks = check_overlap_chunks(config.overlap_chunks)
+        self.debug = config.debug
+        self.cost_cache = config.cost_cache
+        self.parm_groups: ParmGroups | None = None
+        self.last_schedule: str | None = None
+
+    @property
+    def gate(self):
+        return self.deepspeed_moe.gate
+
+    @property
+    def local_experts(self) -> nn.ModuleList:
+        return self.deepspeed_moe.experts.deepspeed_experts
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """Validate the layout and the experts (before any collective), let DeepSpeed create its groups,
+        then add Parm's and shard the experts over ESP. Collective: every rank calls it."""
+        tp = bwc_tensor_model_parallel_world_size(ds_groups.mpu)
+        check_layout(comm.size(torch.distributed.group.WORLD), tp, self.ep_size, self.num_experts)
+        esp = tp if self.enable_expert_tensor_parallelism else 1
+        for expert in self.local_experts:
+            experts.check_shardable(expert, esp)
+        super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
+        mp = bwc_tensor_model_parallel_group(ds_groups.mpu) if tp > 1 else None
+        self.parm_groups = ParmGroups.build(mp, self.deepspeed_moe.ep_group, shard_experts=esp > 1)
+        if esp > 1:
+            for expert in self.local_experts:
+                experts.shard_(expert, self.parm_groups.esp_rank, esp)
+
+    def forward(self, hidden_states: torch.Tensor,
+                used_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.parm_groups is None:
+            raise RuntimeError("ParmMoE has no process groups yet: deepspeed.initialize (or ds_plugins.initialize) "
+                               "calls set_deepspeed_parallelism(); call it yourself when using the layer alone")
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        schedule = self.schedule if self.schedule != "auto" else selector.choose(self, x)
+        self.last_schedule = schedule
+        out, l_aux, exp_counts = SCHEDULES[schedule](self, x, used_token)
+        self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts = l_aux, exp_counts
+        output = out.reshape(hidden_states.shape)
+        if self.use_residual:
+            output_mlp = self.mlp(hidden_states)
+            if isinstance(output_mlp, tuple):
+                output_mlp = output_mlp[0]
+            coef = F.softmax(self.coefficient(hidden_states), dim=-1)
+            output = output * coef[..., 0:1] + output_mlp * coef[..., 1:]
+        return output, l_aux, exp_counts

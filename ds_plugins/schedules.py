@@ -1,0 +1,97 @@
+"""The three schedules of a Parm MoE layer, each the table of parm.md §2 as code.
+
+Shape legend: S tokens on this rank (replicated over the N MP ranks), M hidden, E experts, E_l local
+experts, p = EP size, s = ESP size, C the gate's capacity, C_buf the padded buffer capacity, r chunks.
+V = E·C_buf·M. Wire volumes per rank (forward; the backward mirrors them, §2.7):
+
+    deepspeed  A2A(ep) 2·V(p-1)/p            AR(esp) inside the expert 2V(s-1)/s
+               (ESP = 1 with MP > 1: A2A(ep) 2·(V/N)(p-1)/p, AG(mp) V(N-1)/N, DeepSpeed's drop/gather)
+    s2         A2A(ep) 2·(V/N)(p-1)/p        AG(esp) + RS(esp) 2·V(N-1)/N      AG(mp) V(N-1)/N
+    s1         A2A(ep) 2·V₁(p-1)/p           AG(esp) + RS(esp) 2·V₁(N-1)       AG(mp) S·M(N-1)/N
+               (V₁ = E·C₁·M, C₁ ≈ C/N: the capacity of S/N tokens)
+
+Every schedule returns ``(output [S, M] replicated over MP, l_aux, exp_counts)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ds_plugins import collectives, experts, overlap, routing
+from ds_plugins._ds_dispatch import combine, dispatch
+
+
+def _pad(capacity: int, multiple: int) -> int:
+    return -(-capacity // multiple) * multiple
+
+
+def _layout(layer, capacity: int, mp_split: bool) -> overlap.Layout:
+    """Pad C so that every MP slice splits into equal chunks (parm.md §2.8); r is capped by the slots."""
+    g, n = layer.parm_groups, layer.parm_groups.mp_size if mp_split else 1
+    chunks = max(1, min(layer.overlap_chunks, math.ceil(capacity / n)))
+    c_buf = _pad(capacity, n * chunks)
+    return overlap.Layout(g, layer.num_experts, chunks, c_buf // (n * chunks), mp_split)
+
+
+def _expert_pass(layer, x: torch.Tensor, r: routing.Routes, lay: overlap.Layout) -> torch.Tensor:
+    """dispatch -> exchange to the experts -> sharded experts -> exchange back -> combine."""
+    m, s = x.shape[1], layer.parm_groups.esp_size
+    buf = dispatch(x, r.indices, r.locations, layer.num_experts, lay.capacity)    # [E, C_buf, M]
+    h = overlap.to_experts(buf, lay)                                              # [E_l, r, s, p, c_r, M]
+    y = experts.partial_sums(layer.local_experts, h.view(h.shape[0], -1, m), s)  # [E_l, T, M], sums over ESP
+    out = overlap.from_experts(y.view(h.shape), lay)                              # [E, C_buf, M]
+    return combine(out, r.indices, r.locations, r.gates)
+
+
+def deepspeed(layer, x: torch.Tensor, used_token: torch.Tensor | None):
+    """Baseline A (§2.1): everything on all S tokens on every MP rank, AR inside the expert."""
+    g, e, m = layer.parm_groups, layer.num_experts, x.shape[1]
+    r = routing.route(layer.gate, x, used_token)                                 # duplicated N×
+    c = r.capacity if layer.gate.drop_tokens else routing.agree_capacity(r.capacity, [g.ep], x.device)
+    if g.mp is not None and g.esp is None:
+        # TP attention, unsharded experts: DeepSpeed then already dropped the MP duplicates before the A2A
+        # and gathered after it (PR #2074, §2.1), in one piece: no chunks, nothing overlapped.
+        lay = overlap.Layout(g, e, 1, _pad(c, g.mp_size) // g.mp_size, mp_split=True)
+        return _expert_pass(layer, x, r, lay), r.l_aux, r.exp_counts
+    buf = dispatch(x, r.indices, r.locations, e, c)                              # [E, C, M]
+    recv = collectives.all_to_all(buf, g.ep).view(g.ep_size, e // g.ep_size, c, m)  # A2A(ep), V
+    h = recv.transpose(0, 1).reshape(e // g.ep_size, g.ep_size * c, m)         # [E_l, p·C, M]
+    y = experts.tensor_parallel(layer.local_experts, h, g.esp, g.esp_size)      # AR(esp), V
+    y = y.view(e // g.ep_size, g.ep_size, c, m).transpose(0, 1).contiguous()
+    back = collectives.all_to_all(y, g.ep).view(e, c, m)                         # A2A(ep), V
+    return combine(back, r.indices, r.locations, r.gates), r.l_aux, r.exp_counts
+
+
+def s2(layer, x: torch.Tensor, used_token: torch.Tensor | None):
+    """S2 (§2.4): gate on all S tokens, MP off after the gate (capacity split), on before combine."""
+    g = layer.parm_groups
+    r = routing.route(layer.gate, x, used_token)                                 # 1: duplicated N×
+    if layer.debug:
+        routing.check_consistent(r, g.mp)
+    c = r.capacity if layer.gate.drop_tokens else routing.agree_capacity(r.capacity, [g.ep], x.device)
+    lay = _layout(layer, c, mp_split=True)                                       # 2-8: split, A2A, AG, RS,
+    return _expert_pass(layer, x, r, lay), r.l_aux, r.exp_counts                 #      A2A, AG(mp); 9
+
+
+def s1(layer, x: torch.Tensor, used_token: torch.Tensor | None):
+    """S1 (§2.3): MP off before the gate (token split), on after combine (AG over MP)."""
+    g, gate, tokens = layer.parm_groups, layer.gate, x.shape[0]
+    mine = math.ceil(tokens / g.mp_size)
+    if gate.k == 1 and tokens // g.mp_size < gate.min_capacity:
+        raise ValueError(f"schedule 's1' gates {tokens // g.mp_size} tokens per MP rank ({tokens} / "
+                         f"{g.mp_size}), fewer than min_capacity={gate.min_capacity}; use 's2' or lower "
+                         "min_capacity")
+    x_l = collectives.split_rows(x, g.mp)                                        # 0: S -> S/N tokens
+    used_l = None if used_token is None or g.mp is None else used_token.tensor_split(g.mp_size)[g.mp_rank]
+    weight = collectives.copy_to(gate.wg.weight, g.mp)                           # gate grads: AR(mp), §2.7
+    r = routing.route(gate, x_l, used_l, weight)                                 # 1: on S/N tokens
+    l_aux, counts = routing.full_batch_loss(gate, r, x_l.shape[0], tokens, g.mp)
+    c = routing.drop_capacity(gate, mine) if gate.drop_tokens else \
+        routing.agree_capacity(r.capacity, [g.ep, g.mp], x.device)
+    out_l = _expert_pass(layer, x_l, r, _layout(layer, c, mp_split=False))       # 2-7
+    return collectives.gather_rows(out_l, g.mp, tokens), l_aux, counts           # 8: AG(mp), S·M
+
+
+SCHEDULES = {"deepspeed": deepspeed, "s1": s1, "s2": s2}

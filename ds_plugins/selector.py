@@ -1,0 +1,211 @@
+"""The "auto" schedule: S1 or S2 per layer shape, by the alpha-beta model fitted on the real groups.
+
+At the first "auto" forward of a layout (MP, ESP, EP sizes) every rank runs a short micro-benchmark
+(about a second): each collective the schedules use, on the layer's own process groups, at a few sizes
+(FSMoE §6.2: fp32 buffers, median of a few runs, least-squares α and β); two collectives on different
+groups at once, for the overlap inefficiency γ; a GEMM and a gather, for the local work. The fitted
+parameters are averaged over the world, so that every rank predicts the same times and picks the same
+schedule (a split decision would deadlock), then cached in this process and, when ``cost_cache`` names a
+file, in that JSON file (all ranks read it only if all of them have it).
+
+For each new layer shape the choice and both predicted times are logged once, on global rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from deepspeed.utils import log_dist
+
+from commweave import comm, cost
+from ds_plugins import cost_model
+from ds_plugins.cost_model import LayerShape, OpCosts
+
+SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 21)
+"""fp32 elements per micro-benchmark buffer (256 KiB to 8 MiB)."""
+REPEATS = 3
+
+_fitted: dict[str, OpCosts] = {}
+_decisions: dict[tuple, dict] = {}
+
+
+def layout_key(g) -> str:
+    return f"world{comm.size(dist.group.WORLD)}-mp{g.mp_size}-esp{g.esp_size}-ep{g.ep_size}-{dist.get_backend()}"
+
+
+def _median_time(fn, group=None) -> float:
+    """Median wall time of ``fn``; with a group, its ranks line up (a one-element all-reduce) first."""
+    times = []
+    for _ in range(REPEATS):
+        if group is not None:
+            comm.all_reduce(torch.zeros(1), group)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _collective(name: str, g):
+    """(group, fn(n_elements) -> timed callable, bytes(n)) for one of the modelled collectives."""
+    group = {"ep": g.ep, "esp": g.esp, "mp": g.mp}[name.split("@")[1]]
+    size = comm.size(group)
+    kind = name.split("@")[0]
+
+    def make(n: int):
+        x = torch.randn(n)
+        if kind == "a2a":
+            out = torch.empty_like(x)
+            return lambda: comm.all_to_all(out, x, group), n * 4
+        if kind == "ag":
+            out = torch.empty(size * n)
+            return lambda: comm.all_gather(out, x, group), size * n * 4
+        if kind == "rs":
+            out = torch.empty(n // size)
+            return lambda: comm.reduce_scatter(out, x, group), n * 4
+        return lambda: comm.all_reduce(x, group), n * 4
+    return group, make
+
+
+def _fit_op(name: str, g) -> cost.AlphaBeta:
+    group, make = _collective(name, g)
+    if group is None:
+        return cost.AlphaBeta(0.0, 0.0)
+    sizes, times = [], []
+    for n in SIZES:
+        fn, nbytes = make(n)
+        sizes.append(nbytes)
+        times.append(_median_time(fn, group))
+    return cost.fit(sizes, times).model
+
+
+def _overlap(g, a2a: cost.AlphaBeta, ag: cost.AlphaBeta) -> float:
+    """γ from an A2A on EP and an AG on ESP (or MP) of the largest size, alone (fitted) and together."""
+    second = g.esp if g.esp is not None else g.mp
+    if g.ep is None or second is None:
+        return 0.0
+    n = SIZES[-1]
+    x, y = torch.randn(n), torch.empty(n)
+    gathered = torch.empty(comm.size(second) * n)
+
+    def both():
+        comm.wait_all([comm.all_to_all(y, x, g.ep, async_op=True),
+                       comm.all_gather(gathered, x, second, async_op=True)])
+    t_a, t_b = a2a(4 * n), ag(4 * n * comm.size(second))
+    gamma = (_median_time(both, dist.group.WORLD) - max(t_a, t_b)) / max(min(t_a, t_b), 1e-9)
+    return min(max(gamma, 0.0), 1.0)
+
+
+def _fit_local() -> tuple[cost.AlphaBeta, cost.AlphaBeta]:
+    """GEMM (seconds per flop) and gather (seconds per byte) on this rank."""
+    flops, gemm_t, nbytes, mem_t = [], [], [], []
+    w = torch.randn(512, 512)
+    for rows in (256, 1024, 2048):
+        x = torch.randn(rows, 512)
+        flops.append(2 * rows * 512 * 512)
+        gemm_t.append(_median_time(lambda x=x: x @ w))
+    for n in (1 << 16, 1 << 19, 1 << 21):
+        src = torch.randn(n // 256, 256)
+        idx = torch.randperm(n // 256)
+        nbytes.append(n * 4)
+        mem_t.append(_median_time(lambda src=src, idx=idx: src.index_select(0, idx)))
+    return cost.fit(flops, gemm_t).model, cost.fit(nbytes, mem_t).model
+
+
+def _measure(g) -> OpCosts:
+    ops = {name: _fit_op(name, g) for name in ("a2a@ep", "ag@esp", "rs@esp", "ag@mp", "ar@mp")}
+    ops["ar@esp"] = ops["ar@mp"]
+    ops["gemm"], ops["mem"] = _fit_local()
+    return OpCosts(ops, _overlap(g, ops["a2a@ep"], ops["ag@esp"] if g.esp is not None else ops["ag@mp"]))
+
+
+def _to_tensor(c: OpCosts) -> torch.Tensor:
+    return torch.tensor([v for op in cost_model.OPS for v in (c.ops[op].alpha, c.ops[op].beta)] + [c.overlap],
+                        dtype=torch.float64)
+
+
+def _from_tensor(t: torch.Tensor) -> OpCosts:
+    v = t.tolist()
+    return OpCosts({op: cost.AlphaBeta(max(v[2 * i], 0.0), max(v[2 * i + 1], 0.0))
+                    for i, op in enumerate(cost_model.OPS)}, overlap=min(max(v[-1], 0.0), 1.0))
+
+
+def _read_cache(path: str | None, key: str) -> OpCosts | None:
+    if path is None or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        entry = json.load(f).get(key)
+    return None if entry is None else _from_tensor(torch.tensor(entry, dtype=torch.float64))
+
+
+def _write_cache(path: str, key: str, c: OpCosts) -> None:
+    data = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    data[key] = _to_tensor(c).tolist()
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def fitted_costs(g, cache_file: str | None = None) -> OpCosts:
+    """The layout's fitted costs: from this process, else the JSON cache, else measured (collective)."""
+    key = layout_key(g)
+    if key in _fitted:
+        return _fitted[key]
+    cached = _read_cache(cache_file, key)
+    have = torch.tensor([0 if cached is None else 1])
+    comm.all_reduce(have, dist.group.WORLD, op="min")
+    if have.item():
+        _fitted[key] = cached
+        return cached
+    params = _to_tensor(_measure(g))
+    comm.all_reduce(params, dist.group.WORLD)
+    _fitted[key] = _from_tensor(params / comm.size(dist.group.WORLD))
+    if cache_file is not None and dist.get_rank() == 0:
+        _write_cache(cache_file, key, _fitted[key])
+    return _fitted[key]
+
+
+def layer_shape(layer, tokens: int, dtype: torch.dtype) -> LayerShape:
+    g, gate = layer.parm_groups, layer.gate
+    ffn = layer.local_experts[0][0].out_features * g.esp_size if g.esp_size > 1 else \
+        _ffn_of(layer.local_experts[0], gate.wg.weight.shape[1])
+    return LayerShape(tokens=tokens, hidden=gate.wg.weight.shape[1], ffn=ffn, experts=layer.num_experts, k=gate.k,
+                      capacity_factor=gate.capacity_factor if gate.training else gate.eval_capacity_factor,
+                      mp=g.mp_size, ep=g.ep_size, esp=g.esp_size, chunks=layer.overlap_chunks,
+                      elem_bytes=torch.empty((), dtype=dtype).element_size(), min_capacity=gate.min_capacity)
+
+
+def _ffn_of(expert, hidden: int) -> int:
+    """An unsharded expert's FFN size, for the GEMM term; its parameter count over 2·M for other modules."""
+    return max(1, sum(p.numel() for p in expert.parameters()) // (2 * hidden))
+
+
+def choose(layer, x: torch.Tensor) -> str:
+    """"s1" or "s2" for this layer and input [S, M]; identical on every rank (see the module docstring)."""
+    g, gate, tokens = layer.parm_groups, layer.gate, x.shape[0]
+    if g.mp_size == 1:
+        return "s2"  # without MP, S1 and S2 are the same schedule
+    if gate.k == 1 and tokens // g.mp_size < gate.min_capacity:
+        return "s2"  # S1's shards would fall below DeepSpeed's min_capacity
+    sh = layer_shape(layer, tokens, x.dtype)
+    key = (layout_key(g), sh)
+    if key not in _decisions:
+        costs = fitted_costs(g, layer.cost_cache)
+        t = {s: cost_model.predict(s, sh, costs).total for s in ("s1", "s2")}
+        choice = min(t, key=t.get)
+        _decisions[key] = {"choice": choice, "predicted_s": t}
+        log_dist(f"parm auto: {choice} for tokens={tokens} M={sh.hidden} H={sh.ffn} E={sh.experts} k={sh.k} "
+                 f"cf={sh.capacity_factor} mp={sh.mp} esp={sh.esp} ep={sh.ep}: predicted fwd+bwd "
+                 f"s1 {t['s1'] * 1e3:.2f} ms, s2 {t['s2'] * 1e3:.2f} ms", ranks=[0])
+    return _decisions[key]["choice"]
+
+
+def decisions() -> dict[tuple, dict]:
+    """Every (layout, shape) decided in this process: {"choice", "predicted_s": {"s1", "s2"}}."""
+    return dict(_decisions)

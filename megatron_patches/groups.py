@@ -2,11 +2,17 @@
 
 The caller hands over one context-parallel group; the team groups (C ranks, all-gather and
 reduce-scatter) and the sub-ring groups (G ranks, ring hops) are made lazily on the first call,
-by their members only (``use_local_synchronization``), so no rank outside the group has to take
-part and any number of CP groups can exist side by side. Every member creates its team group
-first and its sub-ring group second, the one global order that keeps the overlapping creations
-deadlock-free. Groups are cached per process by their global ranks and named for the ledger:
-``wallfacer.team`` and ``wallfacer.ring``; the placement moves go over the CP group itself.
+by their members only (``use_local_synchronization``), so no rank outside the CP group has to take
+part and any number of CP groups can exist side by side. Two rules keep that safe:
+
+- every rank of the CP group creates exactly one team group (if C > 1) and then one sub-ring group
+  (if G > 1) per layout, the same sequence everywhere: torch names a locally synchronised group
+  by its ranks *and the number of groups the process already has*, so members must have made the
+  same number of groups before (a cache shared across layouts broke this);
+- team before ring on every rank: a single global order for the overlapping creations.
+
+Groups are cached per (CP group, layout) and named for the ledger: ``wallfacer.team`` and
+``wallfacer.ring``; the placement moves go over the CP group itself.
 """
 
 from __future__ import annotations
@@ -21,14 +27,9 @@ from megatron_patches.layout import Layout
 
 TEAM, RING = "wallfacer.team", "wallfacer.ring"
 
-_groups_by_ranks: dict[tuple[int, ...], object] = {}
-
 
 def _subgroup(global_ranks: Sequence[int], name: str):
-    key = tuple(sorted(global_ranks))
-    if key not in _groups_by_ranks:
-        _groups_by_ranks[key] = comm.new_group(key, name=name, local_sync=True)
-    return _groups_by_ranks[key]
+    return comm.new_group(sorted(global_ranks), name=name, local_sync=True)
 
 
 @dataclass
@@ -69,11 +70,14 @@ _cache: dict[tuple, WallFacerGroups] = {}
 
 
 def wallfacer_groups(cp_group, layout: Layout) -> WallFacerGroups:
-    """The (cached) groups of this rank for ``layout`` over ``cp_group``. Members-only, lazy."""
-    cp_ranks = tuple(comm.global_rank(cp_group, r) for r in range(layout.world))
-    key = (cp_ranks, layout)
+    """The (cached) groups of this rank for ``layout`` over ``cp_group``. Members-only, lazy.
+
+    The cache holds the CP group object, so its id cannot be reused by another group while cached.
+    """
+    key = (id(cp_group), layout)
     if key in _cache:
         return _cache[key]
+    cp_ranks = tuple(comm.global_rank(cp_group, r) for r in range(layout.world))
     me = comm.rank(cp_group)
     team = ring = None
     if layout.team_size > 1:

@@ -62,7 +62,7 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     lay = Layout(comm.size(group), team_size, tuple(order or ()), layout)
     groups = wallfacer_groups(group, lay)
     sh = Shard(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.element_size(),
-               torch.empty((), dtype=block.acc_dtype(q.dtype)).element_size())
+               block.acc_dtype(q.dtype).itemsize)
     mode = choose_backward(lay, sh) if backward == "auto" else backward
     scale = default_scale(q.shape[3]) if softmax_scale is None else float(softmax_scale)
     run = _Run(groups, block.select_kernel(kernel, q.device, q.dtype), scale, bool(causal), mode)

@@ -63,9 +63,15 @@ def group_name(group) -> str:
     return "ranks(" + ",".join(map(str, dist.get_process_group_ranks(group))) + ")"
 
 
-def new_group(ranks: Sequence[int], name: str | None = None, timeout: timedelta | None = None):
-    """``dist.new_group`` with a ledger name. Collective: every rank of the world must call it."""
-    group = dist.new_group(ranks=list(ranks), timeout=timeout)
+def new_group(ranks: Sequence[int], name: str | None = None, timeout: timedelta | None = None,
+              local_sync: bool = False):
+    """``dist.new_group`` with a ledger name. Collective: every rank of the world must call it.
+
+    ``local_sync=True`` (torch's ``use_local_synchronization``): only the members call it, so a
+    group can be made lazily inside a subgroup; every member must create overlapping groups in the
+    same order.
+    """
+    group = dist.new_group(ranks=list(ranks), timeout=timeout, use_local_synchronization=local_sync)
     if name is not None and group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
         set_group_name(group, name)
     return group

@@ -81,3 +81,31 @@ def all_reduce(link: AlphaBeta, n: float, g: int) -> float:
 
 def p2p(link: AlphaBeta, n: float) -> float:
     return link(n)
+
+
+def exchange(intra: AlphaBeta, nic: AlphaBeta, pairs: Sequence[tuple[int, int]], node: Sequence[int],
+             n: float) -> float:
+    """Time of a set of simultaneous point-to-point messages of n bytes on a two-level network.
+
+    ``pairs`` are (source, destination) ranks, ``node[r]`` the node of rank r. A message inside a
+    node pays ``intra`` (a per-rank link, e.g. NVLink). Messages between nodes share their nodes'
+    NICs: ``nic`` is one node's network link (all its NICs together), divided among the flows that
+    leave the source node or enter the destination node, whichever is more. The exchange ends
+    with its slowest message.
+    """
+    out_flows: dict[int, int] = {}
+    in_flows: dict[int, int] = {}
+    for s, d in pairs:
+        if node[s] != node[d]:
+            out_flows[node[s]] = out_flows.get(node[s], 0) + 1
+            in_flows[node[d]] = in_flows.get(node[d], 0) + 1
+    worst = 0.0
+    for s, d in pairs:
+        if s == d:
+            continue
+        if node[s] == node[d]:
+            worst = max(worst, intra(n))
+        else:
+            share = max(out_flows[node[s]], in_flows[node[d]])
+            worst = max(worst, nic.alpha + nic.beta * n * share)
+    return worst

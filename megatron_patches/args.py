@@ -1,0 +1,144 @@
+"""WallFacer's settings: a typed config, its Megatron-LM command-line arguments and their validation.
+
+Megatron-LM takes extra arguments through an ``extra_args_provider(parser) -> parser``. Where that
+hook lives changed (wallfacer.md §14):
+
+- tags core_v0.16.x / core_v0.17.x: ``pretrain(..., extra_args_provider=add_wallfacer_args)``;
+- main after the config-container rewrite: ``parse_and_validate_args(extra_args_provider=
+  add_wallfacer_args, args_defaults=...)`` before ``pretrain(cfg_container, ...)``.
+
+The provider is the same function in both. Validation needs the parsed values of other arguments
+(``--context-parallel-size``, ``--seq-length`` ...), so it runs in :meth:`WallFacerConfig.from_args`,
+which WallFacerAttention calls when it is built: after parsing, before any communication, on
+every rank alike. To chain with another provider: ``lambda p: add_wallfacer_args(mine(p))``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from dataclasses import dataclass
+
+from megatron_patches.block import KERNELS
+from megatron_patches.layout import team_size_error
+from megatron_patches.placement import PLACEMENTS, Topology
+from megatron_patches.wallfacer import BACKWARDS
+
+CP_COMM_TYPES = (None, "p2p", "wallfacer")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WallFacerConfig:
+    """How WallFacerAttention runs; one per model, shared by its layers."""
+
+    team_size: int | str = 1
+    """C: ranks per team, C² dividing the context-parallel size P; 1 is ring attention; "auto"
+    lets the alpha-beta model pick (placement.estimate)."""
+    placement: str = "contiguous"
+    """contiguous (teams on consecutive CP ranks), node-aware (fewest inter-node bytes) or auto."""
+    kernel: str = "auto"
+    """Per-block attention kernel: auto, sdpa, flash or reference (block.py)."""
+    backward: str = "auto"
+    """kv, q or auto (fewer bytes; volume.choose_backward)."""
+    ranks_per_node: int | None = None
+    """Consecutive global ranks per node; None reads LOCAL_WORLD_SIZE (else one node)."""
+    bandwidth_gbytes: tuple[float, float] = (450.0, 400.0)
+    """GB/s of one rank's intra-node link and of one node's network link (for "auto")."""
+    latency_us: tuple[float, float] = (3.0, 10.0)
+    """µs of the same two links."""
+    tflops: float = 400.0
+    """Attention TFLOP/s of one rank (for "auto")."""
+    context_parallel_size: int | None = None
+    """P, when known at parse time: the module checks it against its CP group."""
+
+    def __post_init__(self) -> None:
+        if self.team_size != "auto" and (not isinstance(self.team_size, int) or self.team_size < 1):
+            raise ValueError(f"wallfacer team_size={self.team_size!r} must be an int >= 1 or 'auto'")
+        for name, allowed in (("placement", PLACEMENTS), ("kernel", KERNELS), ("backward", BACKWARDS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"wallfacer {name}={getattr(self, name)!r} is not one of {allowed}")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ValueError(f"wallfacer ranks_per_node={self.ranks_per_node} must be >= 1")
+        if min(self.bandwidth_gbytes) <= 0 or min(self.latency_us) < 0 or self.tflops <= 0:
+            raise ValueError(f"wallfacer bandwidths {self.bandwidth_gbytes} GB/s and tflops {self.tflops} "
+                             f"must be > 0, latencies {self.latency_us} us >= 0")
+        if self.context_parallel_size is not None and self.team_size != "auto":
+            error = team_size_error(self.context_parallel_size, self.team_size)
+            if error:
+                raise ValueError(f"--wallfacer-team-size: {error} (--context-parallel-size)")
+
+    def node_size(self, world_size: int) -> int:
+        if self.ranks_per_node is not None:
+            return self.ranks_per_node
+        return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+    def topology(self, world_size: int) -> Topology:
+        return Topology.from_specs(self.node_size(world_size), *self.bandwidth_gbytes, *self.latency_us,
+                                   self.tflops)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WallFacerConfig:
+        """Validate Megatron-LM's parsed args for WallFacer and return the config (ValueError if bad)."""
+        p = getattr(args, "context_parallel_size", 1) or 1
+        seq = getattr(args, "seq_length", None)
+        if seq is not None and seq % (2 * p):
+            raise ValueError(f"--seq-length {seq} must be divisible by 2 x --context-parallel-size = "
+                             f"{2 * p}: WallFacer's zigzag layout gives each CP rank two of 2P chunks")
+        heads, tp = args.num_attention_heads, getattr(args, "tensor_model_parallel_size", 1) or 1
+        groups = getattr(args, "num_query_groups", None) or heads
+        if heads % groups or heads % tp or (groups % tp and tp % groups):
+            raise ValueError(f"--num-attention-heads {heads}, --num-query-groups {groups} and "
+                             f"--tensor-model-parallel-size {tp}: heads must be a multiple of query groups "
+                             f"and both must split evenly over tensor-parallel ranks")
+        if getattr(args, "attention_dropout", 0.0):
+            raise ValueError(f"--attention-dropout {args.attention_dropout}: WallFacer has no attention "
+                             f"dropout; set --attention-dropout 0")
+        comm_types = getattr(args, "cp_comm_type", None) or [None]
+        for t in comm_types if isinstance(comm_types, list) else [comm_types]:
+            if t not in CP_COMM_TYPES:
+                raise ValueError(f"--cp-comm-type {t}: WallFacer replaces context parallelism's "
+                                 f"communication; use p2p (the default) or wallfacer")
+        if (getattr(args, "recompute_granularity", None) == "selective"
+                and "core_attn" in (getattr(args, "recompute_modules", None) or [])):
+            warnings.warn("--recompute-modules core_attn recomputes WallFacer's whole distributed forward, "
+                          "communication included (wallfacer.md §7); prefer full-layer or no recompute",
+                          stacklevel=2)
+        return cls(team_size=args.wallfacer_team_size, placement=args.wallfacer_placement,
+                   kernel=args.wallfacer_kernel, backward=args.wallfacer_backward,
+                   ranks_per_node=args.wallfacer_ranks_per_node,
+                   bandwidth_gbytes=tuple(args.wallfacer_bandwidth), latency_us=tuple(args.wallfacer_latency),
+                   tflops=args.wallfacer_tflops, context_parallel_size=p)
+
+
+def _team_size(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer or 'auto'") from None
+
+
+def add_wallfacer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM ``extra_args_provider``: add the ``--wallfacer-*`` arguments and return the parser."""
+    d = WallFacerConfig()
+    g = parser.add_argument_group(title="WallFacer attention (commweave)")
+    g.add_argument("--wallfacer-team-size", type=_team_size, default=d.team_size,
+                   help="Team size C (C² must divide --context-parallel-size; 1 = ring attention) or auto.")
+    g.add_argument("--wallfacer-placement", choices=PLACEMENTS, default=d.placement,
+                   help="Which CP ranks form teams and sub-rings.")
+    g.add_argument("--wallfacer-kernel", choices=KERNELS, default=d.kernel,
+                   help="Per-block attention kernel.")
+    g.add_argument("--wallfacer-backward", choices=BACKWARDS, default=d.backward,
+                   help="Circulate K/V (kv) or queries (q) in the backward; auto picks fewer bytes.")
+    g.add_argument("--wallfacer-ranks-per-node", type=int, default=d.ranks_per_node,
+                   help="GPUs per node (default: LOCAL_WORLD_SIZE).")
+    g.add_argument("--wallfacer-bandwidth", type=float, nargs=2, default=list(d.bandwidth_gbytes),
+                   metavar=("INTRA", "NIC"),
+                   help="GB/s of a GPU's intra-node link and of a node's network, for auto.")
+    g.add_argument("--wallfacer-latency", type=float, nargs=2, default=list(d.latency_us),
+                   metavar=("INTRA", "NIC"), help="Latency in µs of the same links, for auto.")
+    g.add_argument("--wallfacer-tflops", type=float, default=d.tflops,
+                   help="Attention TFLOP/s per GPU, for auto.")
+    return parser

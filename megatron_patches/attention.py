@@ -1,0 +1,164 @@
+"""WallFacerAttention: a Megatron-core core attention that runs wallfacer_attention over the CP group.
+
+Drop-in for ``DotProductAttention`` / ``TEDotProductAttention`` (megatron-core 0.16.1): same
+constructor and forward signature, swapped in declaratively through the layer ModuleSpec's
+``core_attention`` (wallfacer.md §14). Megatron hands it, per CP rank, the zigzag-ordered rows
+(``get_batch_on_this_cp_rank``) with RoPE already applied:
+
+    query [s/CP, b, np, hn]; key, value [s/CP, b, ng, hn] (GQA un-expanded)  ->  [s/CP, b, np·hn]
+
+Supported: causal and no-mask self-attention, GQA/MQA, any TP, fp16/bf16/fp32. Refused with a
+ValueError: attention dropout, packed sequences (THD), explicit masks or biases, sliding windows,
+softmax offsets, cross-attention, and other cp_comm_types.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from commweave import comm
+from megatron_patches.args import CP_COMM_TYPES, WallFacerConfig
+from megatron_patches.block import acc_dtype
+from megatron_patches.layout import team_size_error
+from megatron_patches.placement import choose, nodes_of
+from megatron_patches.volume import Shard
+from megatron_patches.wallfacer import wallfacer_attention
+
+_MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
+
+
+def _megatron_lm_config() -> WallFacerConfig:
+    try:
+        from megatron.training import get_args
+    except ImportError:
+        raise ValueError("WallFacerAttention needs a WallFacerConfig: build the layer spec with "
+                         "get_gpt_layer_wallfacer_spec(WallFacerConfig(...)), or run under Megatron-LM "
+                         "with extra_args_provider=add_wallfacer_args") from None
+    return WallFacerConfig.from_args(get_args())
+
+
+class WallFacerAttention(MegatronModule):
+    """Core attention over the context-parallel group with WallFacer's teams and sub-rings.
+
+    The constructor is DotProductAttention's plus ``wallfacer`` (a ModuleSpec param); without it
+    the settings come from Megatron-LM's parsed ``--wallfacer-*`` arguments.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None,
+                 wallfacer: WallFacerConfig | None = None) -> None:
+        super().__init__(config=config)
+        self.wallfacer = wallfacer if wallfacer is not None else _megatron_lm_config()
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        refusals = {
+            f"attention_type={attention_type!r}: WallFacer is self-attention only": attention_type != "self",
+            f"attention dropout {dropout}: WallFacer has none, set it to 0": bool(dropout),
+            f"attn_mask_type={attn_mask_type}: only causal and no_mask": attn_mask_type not in _MASKS,
+            f"cp_comm_type={cp_comm_type!r}: use one of {CP_COMM_TYPES}": cp_comm_type not in CP_COMM_TYPES,
+            f"softmax_type={config.softmax_type!r}: only vanilla": config.softmax_type != "vanilla",
+            f"window_size={config.window_size}: no sliding windows": config.window_size is not None,
+        }
+        for reason, refused in refusals.items():
+            if refused:
+                raise ValueError(f"WallFacerAttention: {reason}")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        if pg_collection is None:
+            self.cp_group = parallel_state.get_context_parallel_group()
+        else:
+            self.cp_group = pg_collection.cp
+        world = comm.size(self.cp_group)
+        expected = self.wallfacer.context_parallel_size or config.context_parallel_size
+        if world != expected:
+            raise ValueError(f"WallFacerAttention: the CP group has {world} ranks, the config says "
+                             f"context_parallel_size={expected}")
+        if self.wallfacer.team_size != "auto" and team_size_error(world, self.wallfacer.team_size):
+            raise ValueError(f"WallFacerAttention: {team_size_error(world, self.wallfacer.team_size)}")
+        head_dim = config.kv_channels
+        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+        if config.apply_query_key_layer_scaling:
+            self.softmax_scale /= self.layer_number
+        self._layouts: dict[tuple, object] = {}
+
+    def _layout(self, query, key):
+        """Team size and rank order for these shapes (cost model on first use; same on every rank)."""
+        sig = (tuple(query.shape), key.shape[2], query.dtype)
+        if sig not in self._layouts:
+            world, cfg = comm.size(self.cp_group), self.wallfacer
+            sh = Shard(query.shape[0], query.shape[1], query.shape[2], key.shape[2], query.shape[3],
+                       query.element_size(), acc_dtype(query.dtype).itemsize)
+            ranks = [comm.global_rank(self.cp_group, r) for r in range(world)]
+            everyone = comm.size(dist.group.WORLD)
+            nodes = nodes_of(ranks, cfg.node_size(everyone))
+            auto = cfg.team_size == "auto" or cfg.placement == "auto"
+            self._layouts[sig] = choose(world, sh, nodes, cfg.topology(everyone) if auto else None,
+                                        cfg.team_size, cfg.placement,
+                                        causal=_MASKS[self.attn_mask_type])
+            return self._layouts[sig], True
+        return self._layouts[sig], False
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type: AttnMaskType | None = None,
+                attention_bias=None, packed_seq_params=None):
+        """[sq, b, np, hn] queries, [sk, b, ng, hn] keys/values → [sq, b, np·hn]."""
+        if packed_seq_params is not None:
+            raise ValueError("WallFacerAttention: packed sequences (THD, packed_seq_params) are not "
+                             "supported")
+        if attention_bias is not None:
+            raise ValueError("WallFacerAttention: attention_bias is not supported")
+        if attention_mask is not None:
+            raise ValueError("WallFacerAttention: explicit attention masks are not supported; the mask type "
+                             "(causal or no_mask) says it all. In Megatron-LM pass "
+                             "--no-create-attention-mask-in-dataloader")
+        mask = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if mask not in _MASKS:
+            raise ValueError(f"WallFacerAttention: attn_mask_type={mask}: only causal and no_mask")
+        lay, first = self._layout(query, key)
+        out = wallfacer_attention(query, key, value, self.cp_group, lay.team_size, causal=_MASKS[mask],
+                                  softmax_scale=self.softmax_scale, layout=lay.layout, order=lay.order,
+                                  kernel=self.wallfacer.kernel, backward=self.wallfacer.backward,
+                                  check=first)
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def with_wallfacer(spec, wallfacer: WallFacerConfig | None = None):
+    """A copy of a GPT layer spec (or a block spec's layers) with WallFacerAttention as core attention."""
+    spec = copy.deepcopy(spec)
+    layers = spec.layer_specs if isinstance(spec, TransformerBlockSubmodules) else [spec]
+    core = ModuleSpec(module=WallFacerAttention, params={} if wallfacer is None else {"wallfacer": wallfacer})
+    for layer in layers:
+        attn = layer.submodules.self_attention
+        if not hasattr(attn.submodules, "core_attention") or hasattr(attn.submodules, "linear_q_down_proj"):
+            raise ValueError(f"{attn.module.__name__}: WallFacer replaces SelfAttention's core attention; "
+                             f"multi-latent attention is not supported")
+        attn.submodules.core_attention = core
+    return spec
+
+
+def get_gpt_layer_wallfacer_spec(wallfacer: WallFacerConfig | None = None, *, use_te: bool = False,
+                                 **kwargs) -> ModuleSpec:
+    """``get_gpt_layer_local_spec(**kwargs)`` (or the TE spec) with WallFacerAttention as core attention.
+
+    ``wallfacer=None`` reads Megatron-LM's ``--wallfacer-*`` arguments when the layers are built.
+    """
+    if kwargs.get("multi_latent_attention"):
+        raise ValueError("get_gpt_layer_wallfacer_spec: multi_latent_attention is not supported")
+    base = get_gpt_layer_with_transformer_engine_spec if use_te else get_gpt_layer_local_spec
+    return with_wallfacer(base(**kwargs), wallfacer)
+
+
+# For Megatron-LM's `--spec megatron_patches.attention wallfacer_layer_spec` (the local modules;
+# settings from the --wallfacer-* arguments).
+wallfacer_layer_spec = get_gpt_layer_wallfacer_spec()

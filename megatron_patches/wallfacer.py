@@ -1,0 +1,248 @@
+"""wallfacer_attention: exact attention over a sequence sharded across a group, with teams and sub-rings.
+
+WallFacer / StarTrail (arXiv 2407.00611; wallfacer.md §3 forward, §4 backward). Teams of C ranks
+all-gather Q, K, V; each rank sends its team's K/V once to its place (paper Alg. 2); C² concentric
+sub-rings of length G = P/C² then circulate K/V (Alg. 1, 3) while every rank attends its team's
+queries to the K/V passing by, merging block results by their log-sum-exp; a team reduce-scatter
+combines the C partial results (each over 1/C of the keys) and hands every rank its own rows.
+C = 1 is ring attention; C = √P has no ring loop.
+
+Shape legend: s local rows, b batch, h query heads, g K/V heads, d head dim, C team size; "team"
+tensors hold the team's C·s rows sorted by chunk id (layout.py), so causal blocks are prefixes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from commweave import comm
+from megatron_patches import block
+from megatron_patches.checks import check_inputs, default_scale
+from megatron_patches.groups import WallFacerGroups, wallfacer_groups
+from megatron_patches.layout import Layout, causal_calls
+from megatron_patches.team import gather_team, scatter_team
+from megatron_patches.volume import Shard, choose_backward
+
+BACKWARDS = ("auto", "kv", "q")
+
+
+def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, team_size: int,
+                        causal: bool = True, softmax_scale: float | None = None, layout: str = "zigzag",
+                        *, order=None, kernel: str = "auto", backward: str = "auto",
+                        check: bool = True) -> torch.Tensor:
+    """Softmax attention of the whole sequence, sharded over ``group``; returns this rank's rows.
+
+    Args:
+        q: ``[s_local, b, h, d]``, this rank's queries, as Megatron-core hands them to core
+            attention (RoPE already applied).
+        k, v: ``[s_local, b, g, d]`` with the *un-expanded* K/V heads (g divides h; query head j
+            reads K/V head j // (h/g), GQA/MQA). They travel un-expanded.
+        group: the context-parallel process group of P ranks.
+        team_size: C, with C² dividing P. 1 is ring attention.
+        causal: causal mask over global positions.
+        softmax_scale: defaults to 1/sqrt(d).
+        layout: which tokens a rank holds: "zigzag" (Megatron's ``get_batch_on_this_cp_rank``:
+            chunks r and 2P−1−r of 2P) or "contiguous" (chunks 2r, 2r+1). P·s_local must divide
+            by 2P.
+        order: slot → group rank permutation from placement.py (default: identity).
+        kernel: per-block kernel, one of block.KERNELS.
+        backward: "kv" (K/V and their gradients circulate), "q" (queries, dO, O and dQ circulate,
+            as in the paper) or "auto" (the one with fewer bytes, volume.choose_backward).
+        check: all-gather a few integers of metadata first so that bad or mismatched inputs raise
+            the same ValueError on every rank (checks.py).
+
+    Returns:
+        ``[s_local, b, h, d]`` in q's dtype. Online-softmax state and gradient accumulators are
+        fp32 (fp64 for fp64 inputs); fp16, bf16, fp32 and fp64 inputs are supported.
+    """
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward={backward!r} is not one of {BACKWARDS}")
+    if check:
+        check_inputs(q, k, v, group, team_size, causal, softmax_scale, layout)
+    lay = Layout(comm.size(group), team_size, tuple(order or ()), layout)
+    groups = wallfacer_groups(group, lay)
+    sh = Shard(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.element_size(),
+               block.acc_dtype(q.dtype).itemsize)
+    mode = choose_backward(lay, sh) if backward == "auto" else backward
+    scale = default_scale(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    run = _Run(groups, block.select_kernel(kernel, q.device, q.dtype), scale, bool(causal), mode)
+    return _WallFacer.apply(q, k, v, run)
+
+
+class _Run:
+    """What one call needs besides tensors: groups, kernel, scale, mask, backward variant."""
+
+    def __init__(self, groups: WallFacerGroups, kernel, scale: float, causal: bool, mode: str) -> None:
+        self.groups, self.kernel, self.scale, self.causal, self.mode = groups, kernel, scale, causal, mode
+        lay = groups.layout
+        self.lay, self.me = lay, groups.rank
+        self.chunks = {t: lay.sorted_team_chunks(t) for t in range(lay.teams)}
+
+    def calls(self, q_team: int, kv_team: int) -> list[tuple[int, int, int, bool]]:
+        if not self.causal:
+            n = 2 * self.lay.team_size
+            return [(0, n, n, False)]
+        return causal_calls(self.chunks[q_team], self.chunks[kv_team])
+
+
+def _bhsd(t: torch.Tensor) -> torch.Tensor:
+    """[s, b, h, d] memory seen as [b, h, s, d] (a view: kernels take strided inputs)."""
+    return t.permute(1, 2, 0, 3)
+
+
+def _merge(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
+    """Online softmax: fold a block's (o, lse) into the running (o, lse), in place.
+
+    lse' = log(e^lse + e^lse_blk);  o' = e^(lse − lse')·o + e^(lse_blk − lse')·o_blk.
+    logaddexp keeps lse = −inf (no key yet) exact: the first block is copied.
+    """
+    new = torch.logaddexp(lse, lse_blk)
+    o.mul_(torch.exp(lse - new).unsqueeze(-1))
+    o.add_(o_blk.to(o.dtype) * torch.exp(lse_blk - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _attend(run: _Run, q_team: int, q, kv, kv_team: int, o, lse) -> None:
+    """Team queries ``q`` [b,h,C·s,d] against one team's K/V ``kv`` [2, C·s, b, g, d]."""
+    half = q.shape[2] // (2 * run.lay.team_size)
+    k, v = _bhsd(kv[0]), _bhsd(kv[1])
+    for q0, q1, kn, diag in run.calls(q_team, kv_team):
+        rows, keys = slice(q0 * half, q1 * half), slice(0, kn * half)
+        o_b, lse_b = run.kernel.forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], run.scale, diag)
+        _merge(o[:, :, rows], lse[:, :, rows], o_b, lse_b)
+
+
+def _attend_backward(run: _Run, q_team: int, qdo, lse, kv, kv_team: int, dq, dkv) -> None:
+    """Gradients of one block, added into dq [b,h,C·s,d] and dkv [2, C·s, b, g, d] (accumulators).
+
+    ``qdo`` is [3, C·s, b, h, d]: the team's q, dO and final O.
+    """
+    half = qdo.shape[1] // (2 * run.lay.team_size)
+    q, do, o = _bhsd(qdo[0]), _bhsd(qdo[1]), _bhsd(qdo[2])
+    k, v, dk, dv = _bhsd(kv[0]), _bhsd(kv[1]), _bhsd(dkv[0]), _bhsd(dkv[1])
+    for q0, q1, kn, diag in run.calls(q_team, kv_team):
+        rows, keys = slice(q0 * half, q1 * half), slice(0, kn * half)
+        dq_b, dk_b, dv_b = run.kernel.backward(do[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                                               o[:, :, rows], lse[:, :, rows], run.scale, diag)
+        dq[:, :, rows] += dq_b
+        dk[:, :, keys] += dk_b
+        dv[:, :, keys] += dv_b
+
+
+class _WallFacer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, run: _Run):
+        g, lay, me = run.groups, run.lay, run.me
+        acc = block.acc_dtype(q.dtype)
+        # Phase 1: team all-gather (one collective for q, k, v), rows sorted by chunk.
+        q_t, k_t, v_t = gather_team(g, [q, k, v])
+        kv = torch.stack((k_t, v_t))
+        # Phase 1b: the initial placement (Alg. 2); queries stay.
+        kv0 = torch.empty_like(kv) if lay.place_target(me) != me else kv
+        works = g.permute(kv, lay.place_target(me), kv0, lay.place_source(me), tag=0) if kv0 is not kv else []
+        # Phase 2: G ring steps, the next K/V in flight while this one is attended (double buffer).
+        o = torch.zeros(q_t.shape, dtype=acc)
+        lse = torch.full(o.shape[1:3] + o.shape[:1], float("-inf"), dtype=acc)
+        bufs = [torch.empty_like(kv), torch.empty_like(kv)] if lay.ring_len > 1 else []
+        cur, qb = kv0, _bhsd(q_t)
+        for i in range(lay.ring_len):
+            for w in works:
+                w.wait()
+            nxt = bufs[i % 2] if i + 1 < lay.ring_len else None
+            works = g.ring_shift([cur], [nxt], tag=0) if nxt is not None else []
+            _attend(run, g.my_team, qb, cur, lay.kv_team(me, i), _bhsd(o), lse)
+            cur = nxt if nxt is not None else cur
+        # Phase 3: combine the C partial results: lse_f = logsumexp over the team, rescale, RS.
+        lse_f = lse
+        if lay.team_size > 1:
+            lse_all = torch.empty((lay.team_size, *lse.shape), dtype=acc)
+            comm.all_gather(lse_all, lse, g.team)
+            lse_f = torch.logsumexp(lse_all, dim=0)
+            _bhsd(o).mul_(torch.exp(lse - lse_f).unsqueeze(-1))
+        (out,) = scatter_team(g, [o], q.dtype)
+        ctx.run = run
+        ctx.save_for_backward(q_t, kv0, lse_f, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        run = ctx.run
+        q_t, kv0, lse, out = ctx.saved_tensors
+        do_t, o_t = gather_team(run.groups, [dout, out])
+        qdo = torch.stack((q_t, do_t, o_t))
+        step = _backward_kv if run.mode == "kv" else _backward_q
+        dq, dkv = step(run, qdo, lse, kv0)
+        dq_l, dk_l, dv_l = scatter_team(run.groups, [dq, dkv[0], dkv[1]], q_t.dtype)
+        return dq_l, dk_l, dv_l, None
+
+
+def _backward_kv(run: _Run, qdo, lse, kv0):
+    """K/V and their gradients circulate; queries, dO, O and dQ stay (ring-flash-attention's scheme).
+
+    After G steps a rank holds the dK/dV of the K/V that ring_next placed; the last hop sends them
+    straight to the rank that placed that K/V (the inverse of Alg. 2), saving the hop home.
+    """
+    g, lay, me = run.groups, run.lay, run.me
+    acc, G = lse.dtype, lay.ring_len
+    dq = torch.zeros(qdo.shape[1:], dtype=acc)
+    kv_bufs = [torch.empty_like(kv0), torch.empty_like(kv0)] if G > 1 else []
+    d_bufs = [torch.empty(kv0.shape, dtype=acc) for _ in range(2)]
+    d_recv = torch.empty(kv0.shape, dtype=acc)
+    kv_works, d_works, cur = [], [], kv0
+    for i in range(G):
+        for w in kv_works:
+            w.wait()
+        nxt = kv_bufs[i % 2] if i + 1 < G else None
+        kv_works = g.ring_shift([cur], [nxt], tag=0) if nxt is not None else []
+        blk = d_bufs[i % 2].zero_()
+        _attend_backward(run, g.my_team, qdo, lse, cur, lay.kv_team(me, i), _bhsd(dq), blk)
+        for w in d_works:
+            w.wait()
+        if i > 0:
+            blk += d_recv
+        if i + 1 < G:
+            d_works = g.ring_shift([blk], [d_recv], tag=1)
+        else:
+            home = torch.empty(kv0.shape, dtype=acc)
+            d_works = g.permute(blk, lay.place_source(lay.ring_next(me)), home,
+                                lay.ring_prev(lay.place_target(me)), tag=1)
+        cur = nxt if nxt is not None else cur
+    for w in d_works:
+        w.wait()
+    return dq, home
+
+
+def _backward_q(run: _Run, qdo, lse, kv0):
+    """The paper's backward: each team's (q, dO, O, lse) and its dQ travel; dK/dV stay, then go home."""
+    g, lay, me = run.groups, run.lay, run.me
+    acc, G = lse.dtype, lay.ring_len
+    dkv = torch.zeros(kv0.shape, dtype=acc)
+    b_bufs = [(torch.empty_like(qdo), torch.empty_like(lse)) for _ in range(2)] if G > 1 else []
+    d_bufs = [torch.empty(qdo.shape[1:], dtype=acc) for _ in range(2)]
+    d_recv = torch.empty(qdo.shape[1:], dtype=acc)
+    b_works, d_works, cur = [], [], (qdo, lse)
+    for i in range(G):
+        for w in b_works:
+            w.wait()
+        nxt = b_bufs[i % 2] if i + 1 < G else None
+        b_works = g.ring_shift(list(cur), list(nxt), tag=0) if nxt is not None else []
+        blk = d_bufs[i % 2].zero_()
+        _attend_backward(run, lay.q_team_at(me, i), cur[0], cur[1], kv0, lay.kv_team(me, 0),
+                         _bhsd(blk), dkv)
+        for w in d_works:
+            w.wait()
+        if i > 0:
+            blk += d_recv
+        if i + 1 < G:
+            d_works = g.ring_shift([blk], [d_recv], tag=1)
+        elif G > 1:
+            home = torch.empty_like(blk)
+            d_works = g.ring_shift([blk], [home], tag=1)
+        else:
+            home, d_works = blk, []
+        cur = nxt if nxt is not None else cur
+    dkv_home = torch.empty_like(dkv)
+    works = g.permute(dkv, lay.place_source(me), dkv_home, lay.place_target(me), tag=2)
+    for w in d_works + works:
+        w.wait()
+    return home, dkv_home

@@ -1,0 +1,231 @@
+"""wallfacer_attention on gloo worlds: exact against single-process full attention, ledger bytes equal to
+volume.py's formulas, and bad input raising the same ValueError on every rank before any traffic.
+
+Every case function builds the same global tensors on every rank (same seed), runs the reference on
+the whole sequence and WallFacer on this rank's zigzag (or contiguous) rows, and returns the max
+errors; one world call runs many cases, so the worlds are started once per size.
+"""
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from commweave import ledger
+from megatron_patches.groups import RING, TEAM
+from megatron_patches.layout import Layout, rank_chunks, valid_team_sizes
+from megatron_patches.placement import ring_major
+from megatron_patches.volume import Shard, backward_bytes, forward_bytes, mean_p2p
+from megatron_patches.wallfacer import wallfacer_attention
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+TOL = {"fp64": 1e-10, "fp32": 2e-5}
+
+
+def full_attention(q, k, v, scale, causal):
+    """Softmax attention over the whole sequence: q [N, b, h, d], k/v [N, b, g, d] (head j → j // (h/g))."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+    s = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
+    if causal:
+        n = q.shape[0]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhst,tbhd->sbhd", torch.softmax(s, -1), v)
+
+
+def local_rows(layout, world, rank, s_local):
+    half = s_local // 2
+    return torch.cat([torch.arange(c * half, (c + 1) * half) for c in rank_chunks(layout, world, rank)])
+
+
+def _global_inputs(n, b, hq, hkv, d):
+    torch.manual_seed(1234)
+    q, do = torch.randn(n, b, hq, d, dtype=torch.float64), torch.randn(n, b, hq, d, dtype=torch.float64)
+    k, v = torch.randn(n, b, hkv, d, dtype=torch.float64), torch.randn(n, b, hkv, d, dtype=torch.float64)
+    return q, k, v, do
+
+
+def _reference(q, k, v, do, causal, dtype=torch.float64):
+    """Full attention and its input gradients, computed in ``dtype``."""
+    inputs = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
+    out = full_attention(*inputs, q.shape[3] ** -0.5, causal)
+    out.backward(do.to(dtype))
+    return [out] + [t.grad for t in inputs]
+
+
+def _run_case(world, c, causal, hq, hkv, mode, kernel, dtype, layout="zigzag", order=None,
+              s_local=4, b=2, d=8):
+    q, k, v, do = _global_inputs(world * s_local, b, hq, hkv, d)
+    want = _reference(q, k, v, do, causal)
+    rows = local_rows(layout, world, dist.get_rank(), s_local)
+    mine = [t[rows].to(DTYPES[dtype]).requires_grad_() for t in (q, k, v)]
+    out = wallfacer_attention(*mine, dist.group.WORLD, c, causal=causal, layout=layout, order=order,
+                              kernel=kernel, backward=mode)
+    out.backward(do[rows].to(out.dtype))
+    got = [out] + [t.grad for t in mine]
+    return [(g.double() - w[rows]).abs().max().item() for g, w in zip(got, want, strict=True)]
+
+
+def _numerics(cases):
+    return {case: _run_case(dist.get_world_size(), *case) for case in cases}
+
+
+def _cases(world):
+    cases = []
+    for c in valid_team_sizes(world):
+        for causal in (True, False):
+            for hq, hkv in ((4, 4), (4, 2), (4, 1)):
+                for mode in ("kv", "q"):
+                    cases.append((c, causal, hq, hkv, mode, "sdpa", "fp64"))
+            cases.append((c, causal, 4, 2, "auto", "reference", "fp64"))
+            cases.append((c, causal, 4, 2, "auto", "sdpa", "fp32"))
+            cases.append((c, causal, 4, 2, "kv", "sdpa", "fp64", "contiguous"))
+    c = max(valid_team_sizes(world))
+    perm = list(range(world))
+    random.Random(world).shuffle(perm)
+    cases.append((c, True, 4, 2, "q", "sdpa", "fp64", "zigzag", tuple(perm)))
+    cases.append((c, True, 4, 2, "kv", "sdpa", "fp64", "zigzag", ring_major(world, c)))
+    return cases
+
+
+def _check_numerics(world):
+    results = world.run(_numerics, _cases(world.world_size))
+    bad = {}
+    for case in results[0]:
+        err = max(max(r[case]) for r in results)
+        if err > TOL[case[6]]:
+            bad[case] = err
+    assert not bad, f"cases over tolerance (C, causal, hq, hkv, mode, kernel, dtype, ...): {bad}"
+
+
+@pytest.mark.world_size(4)
+def test_exact_against_full_attention_p4(world):
+    _check_numerics(world)
+
+
+@pytest.mark.world_size(8)
+def test_exact_against_full_attention_p8(world):
+    _check_numerics(world)
+
+
+@pytest.mark.big_world
+@pytest.mark.world_size(16)
+def test_exact_against_full_attention_p16(world):
+    _check_numerics(world)
+
+
+def _bf16_case(mode):
+    """bf16 WallFacer vs fp64, next to bf16 single-process attention vs fp64 (flash-attn's error rule)."""
+    world = dist.get_world_size()
+    c = max(valid_team_sizes(world))
+    wallfacer = _run_case(world, c, True, 4, 2, mode, "sdpa", "bf16", s_local=8, d=16)
+    q, k, v, do = _global_inputs(world * 8, 2, 4, 2, 16)
+    rows = local_rows("zigzag", world, dist.get_rank(), 8)
+    exact, low = _reference(q, k, v, do, True), _reference(q, k, v, do, True, torch.bfloat16)
+    single = [(lo.double() - ex)[rows].abs().max().item() for lo, ex in zip(low, exact, strict=True)]
+    return wallfacer, single
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("mode", ["kv", "q"])
+def test_bf16_within_twice_single_process_error(world, mode):
+    for wallfacer, single in world.run(_bf16_case, mode):
+        for name, w, s in zip(("out", "dq", "dk", "dv"), wallfacer, single, strict=True):
+            assert w <= 2 * s, f"{name}: WallFacer bf16 error {w:.3g} > 2 x single-process bf16 error {s:.3g}"
+
+
+def _ledger_case(c, mode, dtype, hq=4, hkv=2, s_local=4, b=2, d=8):
+    torch.manual_seed(dist.get_rank())
+    mine = [torch.randn(s_local, b, h, d, dtype=DTYPES[dtype], requires_grad=True) for h in (hq, hkv, hkv)]
+    with ledger.recording() as fwd:
+        out = wallfacer_attention(*mine, dist.group.WORLD, c, backward=mode)
+    with ledger.recording() as bwd:
+        out.backward(torch.ones_like(out))
+    return fwd.as_dict(), bwd.as_dict()
+
+
+def _as_counts(led: dict) -> dict:
+    """Ledger dict → {(kind, "team"|"ring"|"cp"): sent bytes}, only the kinds that sent something."""
+    names = {TEAM: "team", RING: "ring", "world": "cp"}
+    out = {}
+    for key, entry in led.items():
+        kind, group = key.split("@")
+        if entry["sent"]:
+            out[kind, names[group]] = out.get((kind, names[group]), 0) + entry["sent"]
+    return out
+
+
+@pytest.mark.world_size(8)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["kv", "q"])
+@pytest.mark.parametrize("c", [1, 2])
+def test_ledger_bytes_equal_formulas(world, c, mode, dtype):
+    per_rank = world.run(_ledger_case, c, mode, dtype)
+    lay = Layout(8, c)
+    elt = DTYPES[dtype].itemsize
+    sh = Shard(4, 2, 4, 2, 8, elt, 4)
+    for r, (fwd, bwd) in enumerate(per_rank):
+        assert _as_counts(fwd) == dict(forward_bytes(lay, sh, r)), f"rank {r} forward"
+        assert _as_counts(bwd) == dict(backward_bytes(lay, sh, r, mode)), f"rank {r} backward"
+
+
+@pytest.mark.world_size(8)
+def test_p2p_is_half_of_ring_attention_at_p8_c2(world):
+    """P = C³ (G = C): the placement keeps K/V on exactly P/C² ranks, so the mean is exactly 1/C."""
+    means = {}
+    for c in (1, 2):
+        per_rank = world.run(_ledger_case, c, "kv", "fp32")
+        means[c] = sum(_as_counts(f).get(("send", "ring"), 0) + _as_counts(f).get(("send", "cp"), 0)
+                       for f, _ in per_rank) / 8
+    assert means[2] * 2 == means[1]
+    assert means[1] == mean_p2p(Layout(8, 1), Shard(4, 2, 4, 2, 8, 4, 4))
+
+
+def _bad(kind):
+    """Break one rule (on every rank or on one) and return the ValueError text, or None."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    s, c, hq, hkv, dtype = 4, 2, 4, 2, torch.float32
+    if kind == "odd_sequence":
+        s = 3
+    elif kind == "team_size":
+        c = 3
+    elif kind == "heads":
+        hq, hkv = 3, 2
+    elif kind == "shape_on_one_rank" and me == 1:
+        s = 6
+    elif kind == "odd_on_one_rank" and me == 3:
+        s = 5
+    elif kind == "dtype_on_one_rank" and me == 2:
+        dtype = torch.bfloat16
+    q = torch.randn(s, 2, hq, 8, dtype=dtype)
+    k = v = torch.randn(s, 2, hkv, 8, dtype=dtype)
+    if kind == "kv_shapes":
+        v = torch.randn(s, 2, hkv, 4, dtype=dtype)
+    with ledger.recording() as led:
+        try:
+            wallfacer_attention(q, k, v, dist.group.WORLD, c)
+        except ValueError as e:
+            # The only traffic before the error is the metadata all-gather.
+            assert set(led.as_dict()) == {"all_gather@world"}, led.as_dict()
+            return str(e)
+    return f"no error on rank {me} of {world}"
+
+
+BAD = {
+    "odd_sequence": "sequence length 12 (= P·s_local = 4·3) must be divisible by 2·P = 8",
+    "team_size": "team_size C=3 is invalid for P=4 ranks: C² must divide P (valid: 1, 2)",
+    "heads": "q has 3 heads and k/v have 2",
+    "shape_on_one_rank": "ranks disagree: rank 1 passes q [6, 2, 4, 8] float32",
+    "odd_on_one_rank": "rank 3: sequence length 20 (= P·s_local = 4·5) must be divisible by 2·P = 8",
+    "dtype_on_one_rank": "ranks disagree: rank 2 passes q [4, 2, 4, 8] bfloat16",
+    "kv_shapes": "k and v must have the same shape",
+}
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("kind", sorted(BAD))
+def test_bad_input_raises_same_error_on_every_rank(world, kind):
+    messages = world.run(_bad, kind)
+    assert len(set(messages)) == 1, messages
+    assert BAD[kind] in messages[0], messages[0]

@@ -15,6 +15,7 @@ only groups that cross the WAN, IB for the rest) they apply exactly to the WAN g
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -160,3 +161,25 @@ def _int_env(env: Mapping[str, str], key: str) -> int | None:
         return int(env[key])
     except ValueError:
         raise ValueError(f"{key}={env[key]!r}: must be an integer") from None
+
+
+def established_connections(net_dir: str = "/proc/self/net", fd_dir: str | None = "/proc/self/fd") -> int:
+    """ESTABLISHED IPv4 TCP connections in a network namespace's view (``/proc/<pid>/net``); with
+    ``fd_dir``, only those whose socket that process holds. How tests and benchmarks check that a
+    WAN pair really has k connections."""
+    inodes = None
+    if fd_dir is not None:
+        inodes = set()
+        for fd in os.listdir(fd_dir):
+            try:
+                target = os.readlink(os.path.join(fd_dir, fd))
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    count = 0
+    for line in Path(net_dir, "tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "01" and (inodes is None or fields[9] in inodes):   # 01 = TCP_ESTABLISHED
+            count += 1
+    return count

@@ -6,7 +6,8 @@
 1. reads and validates the topology (and model) file, checks the NCCL knobs, and computes the plan
    (:mod:`launch.plan`); any mistake stops here with a ``ValueError`` message, before anything runs;
 2. writes the DC-ordered hostfile and passes it as ``--hostfile`` (global ranks follow hostfile order,
-   so the stages land in their data centers), and ``--master_addr`` from the first host's ``addr``;
+   so the stages land in their data centers), and ``--master_addr`` from the first host's ``addr``
+   (a one-host plan runs here: 127.0.0.1 and no ssh check, as plain ``deepspeed`` does without one);
 3. sets ATLAS_*, NCCL_* (and on ``--no_ssh`` this node's GLOO/NCCL interface) in the environment and
    hands over to DeepSpeed's own ``runner.main``: single node and ``--no_ssh --node_rank`` children
    inherit the environment, the pdsh path exports it. DeepSpeed exports only a fixed list of name
@@ -118,8 +119,11 @@ def prepare(argv: list[str]) -> Launch:
 
     head = _drop_ours(argv[:script_at])
     extra = []
-    if not args.master_addr and plan.hosts[0].addr:
-        extra += ["--master_addr", plan.hosts[0].addr]
+    one_host = len(plan.hosts) == 1 and not args.force_multi
+    if not args.master_addr and (plan.hosts[0].addr or one_host):
+        extra += ["--master_addr", plan.hosts[0].addr or "127.0.0.1"]
+    if one_host and not args.no_ssh_check:
+        extra.append("--no_ssh_check")   # DeepSpeed would ssh to the only host, this machine
     node = None
     if args.no_ssh:
         node = _this_node(plan, topo, args)

@@ -117,13 +117,17 @@ def main() -> None:
               "env": {k: v for k, v in os.environ.items() if k.startswith(("ATLAS_", "NCCL_", "GLOO_"))
                       and k != "ATLAS_PLAN"}}
 
+    me = dist.get_rank()
+    far = {h.addr for h in plan.hosts if h.dc != plan.dc_of(me) and h.addr} or None
+
     def enable(plan):
+        # TCP connections to the other data centers that the WAN groups open (from /proc/net/tcp)
         dist.barrier()
-        before = established_connections()
+        before = established_connections(far)
         dist.barrier()
         handle = atlas.enable_deepspeed(plan)
         dist.barrier()
-        report["wan_connections_opened"] = established_connections() - before
+        report["wan_connections_opened"] = established_connections(far) - before
         return handle
 
     report["losses"] = train(args.steps, plan, enable)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import os
+import socket
+import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -163,10 +165,11 @@ def _int_env(env: Mapping[str, str], key: str) -> int | None:
         raise ValueError(f"{key}={env[key]!r}: must be an integer") from None
 
 
-def established_connections(net_dir: str = "/proc/self/net", fd_dir: str | None = "/proc/self/fd") -> int:
-    """ESTABLISHED IPv4 TCP connections in a network namespace's view (``/proc/<pid>/net``); with
-    ``fd_dir``, only those whose socket that process holds. How tests and benchmarks check that a
-    WAN pair really has k connections."""
+def established_connections(remote: set[str] | None = None, net_dir: str = "/proc/self/net",
+                            fd_dir: str | None = "/proc/self/fd") -> int:
+    """ESTABLISHED IPv4 TCP connections in a network namespace's view (``/proc/<pid>/net/tcp``):
+    only those whose socket the process of ``fd_dir`` holds (None: all), and only to the ``remote``
+    addresses when given. How tests and benchmarks check that a WAN pair has k connections."""
     inodes = None
     if fd_dir is not None:
         inodes = set()
@@ -180,6 +183,9 @@ def established_connections(net_dir: str = "/proc/self/net", fd_dir: str | None 
     count = 0
     for line in Path(net_dir, "tcp").read_text().splitlines()[1:]:
         fields = line.split()
-        if fields[3] == "01" and (inodes is None or fields[9] in inodes):   # 01 = TCP_ESTABLISHED
+        if fields[3] != "01" or (inodes is not None and fields[9] not in inodes):   # 01: ESTABLISHED
+            continue
+        peer = socket.inet_ntoa(struct.pack("<I", int(fields[2].split(":")[0], 16)))
+        if remote is None or peer in remote:
             count += 1
     return count

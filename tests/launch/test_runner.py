@@ -73,20 +73,30 @@ def _run(args, env=None, cwd=REPO, timeout=120):
                           text=True, timeout=timeout)
 
 
+def _broken_topology(tmp_path, mutate):
+    raw = json.loads(Path(_topology(tmp_path)).read_text())
+    mutate(raw)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(raw))
+    return str(path)
+
+
+def test_a_bad_topology_stops_before_anything_launches(tmp_path):
+    path = _broken_topology(tmp_path, lambda r: r["wan"][0].update(between=["a", "c"]))
+    out = tmp_path / "out"
+    res = _run(["--atlas-topology", path, SCRIPT, "--out", str(out)])
+    assert res.returncode == 2 and "unknown data center 'c'" in res.stderr, res.stderr
+    assert not out.exists()                                      # the script never ran
+
+
 @pytest.mark.parametrize("mutate, message", [
     (lambda r: r["wan"][0].update(between=["a", "c"]), "unknown data center 'c'"),
     (lambda r: r.update(wan=[]), "no WAN entry between 'a' and 'b'"),
     (lambda r: r["model"].update(pp=2, tp=1, dp=4), "too few GPUs for the plan"),
 ])
-def test_bad_topologies_stop_before_anything_launches(tmp_path, mutate, message):
-    raw = json.loads(Path(_topology(tmp_path)).read_text())
-    mutate(raw)
-    path = tmp_path / "bad.json"
-    path.write_text(json.dumps(raw))
-    out = tmp_path / "out"
-    res = _run(["--atlas-topology", str(path), SCRIPT, "--out", str(out)])
-    assert res.returncode == 2 and message in res.stderr, res.stderr
-    assert not out.exists()                                      # the script never ran
+def test_bad_topologies_raise_in_prepare(tmp_path, mutate, message):
+    with pytest.raises(ValueError, match=message):
+        prepare(["--atlas-topology", _broken_topology(tmp_path, mutate), SCRIPT])
 
 
 @pytest.mark.parametrize("argv, message", [

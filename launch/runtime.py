@@ -50,11 +50,11 @@ def init(plan: Plan | None = None) -> Plan | None:
     """Per-rank set-up before the process group exists.
 
     - Finds this process's host in the plan: ``ATLAS_HOST``, else DeepSpeed's node index
-      (``CROSS_RANK``, hostfile order = plan order), else the host name.
-    - RANK remap: when the rank this launcher assigned differs from the plan's rank for
-      (host, LOCAL_RANK) — launchers that order hosts their own way (Slurm, torchrun with another
-      node order), and Megatron, whose rank generator has no hook for a custom order — ``RANK`` is
-      set to the plan's rank.
+      (``CROSS_RANK``: deepspeed-atlas's hostfile is the plan's order, so RANK is already right),
+      else the machine's host name.
+    - RANK remap: a process found by ``ATLAS_HOST`` or host name gets ``RANK`` = the plan's rank of
+      (host, LOCAL_RANK). This covers launchers that order hosts their own way (Slurm, torchrun with
+      another node order) and Megatron, whose rank generator has no hook for a custom rank order.
     - Interfaces: ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` from the host's data center
       ``ifname`` unless already set (interfaces differ per DC, so this cannot ride on the export).
     - Warns where this host's TCP sysctls would keep the WAN connections from filling the link.
@@ -62,13 +62,19 @@ def init(plan: Plan | None = None) -> Plan | None:
     plan = plan or current_plan()
     if plan is None:
         return None
-    host = _my_host(plan)
+    if os.environ.get("WORLD_SIZE") not in (None, str(plan.world_size)):
+        raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but the ATLAS plan has {plan.world_size} "
+                         f"ranks (pp={plan.pp} x tp={plan.tp} x dp={plan.dp})")
+    host, by_node_index = _my_host(plan)
     if host is not None:
-        first = plan.rank_of(host, 0)
-        slots = next(h.slots for h in plan.hosts if h.name == host)
-        rank = os.environ.get("RANK")
-        if rank is None or not first <= int(rank) < first + slots:
-            os.environ["RANK"] = str(plan.rank_of(host, int(os.environ.get("LOCAL_RANK", "0"))))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        first, slots = plan.rank_of(host, 0), next(h.slots for h in plan.hosts if h.name == host)
+        if not by_node_index:
+            os.environ["RANK"] = str(plan.rank_of(host, local))
+        elif not first <= int(os.environ.get("RANK", first)) < first + slots:
+            raise ValueError(f"RANK={os.environ['RANK']} on node {host} (CROSS_RANK="
+                             f"{os.environ['CROSS_RANK']}), but the plan gives that host ranks "
+                             f"{first}..{first + slots - 1}: launch with deepspeed-atlas's hostfile")
         ifname = next(h.ifname for h in plan.hosts if h.name == host)
         if ifname:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
@@ -147,20 +153,21 @@ def _wan_p2p(plan: Plan, connections: int, sharing: str, ifname: str | None) -> 
     return WanP2P(wan, TemporalSharing(plan) if sharing == "temporal" else None)
 
 
-def _my_host(plan: Plan) -> str | None:
+def _my_host(plan: Plan) -> tuple[str | None, bool]:
+    """(this process's host in the plan, whether it was found by DeepSpeed's node index)."""
     names = [h.name for h in plan.hosts]
     if os.environ.get(ENV_HOST):
         host = os.environ[ENV_HOST]
         if host not in names:
             raise ValueError(f"{ENV_HOST}={host!r} is not a host of the plan: {names}")
-        return host
+        return host, False
     if os.environ.get("CROSS_RANK") is not None:
         node = int(os.environ["CROSS_RANK"])
         if not 0 <= node < len(names):
-            raise ValueError(f"CROSS_RANK={node}: the plan has {len(names)} hosts")
-        return names[node]
+            raise ValueError(f"CROSS_RANK={node}: the plan has {len(names)} hosts {names}")
+        return names[node], True
     name = socket.gethostname()
-    return name if name in names else None
+    return (name, False) if name in names else (None, False)
 
 
 def _advice(plan: Plan) -> list[str]:

@@ -111,3 +111,25 @@ def _signature_check():
 @pytest.mark.world_size(4, env=LO)
 def test_patch_refuses_a_changed_signature(world):
     assert world.run(_signature_check) == ["send"] * 4
+
+
+def _wrong_topology():
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+
+    plan = two_dc_plan(pp=2, dp=2, connections=2)
+    deepspeed.init_distributed(dist_backend="gloo")
+    data_outer = ProcessTopology(axes=["data", "pipe"], dims=[2, 2])   # ranks 0, 1 = one pipeline
+    model = PipelineModule([LayerSpec(torch.nn.Linear, 4, 4) for _ in range(2)], topology=data_outer,
+                           loss_fn=torch.nn.MSELoss())
+    deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         config={"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1})
+    with pytest.raises(ValueError, match=r"topology=launch\.runtime\.pipe_topology"):
+        enable_deepspeed(plan)
+    return True
+
+
+@pytest.mark.world_size(4, env=LO)
+def test_deepspeed_topology_must_follow_the_plan(world):
+    assert world.run(_wrong_topology) == [True] * 4

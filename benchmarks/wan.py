@@ -1,0 +1,229 @@
+"""ATLAS multi-TCP over an emulated WAN: a 256 MiB pipeline transfer with 1, 2, 4, 8, 16 connections.
+
+    python -m benchmarks.wan [--rtt-ms 40] [--rate-mbit 800] [--mib 256] [--window-kib 1024] [--repeats 3]
+
+Two network namespaces joined by launch.wanemu (a TUN delay line for the RTT, tbf for the rate; needs
+root). One gloo rank in each sends a 256 MiB tensor the way ATLAS's patched pipeline p2p does
+(launch.striping: a k-device WAN group, the tensor cut into k stripes with tags 0..k−1), for each k.
+Alongside, the anchors: the link rate itself (32 plain TCP streams, as many as it takes to fill it),
+and one connection's window/RTT limit (sampled from ``ss -ti`` during the k=1 transfer).
+
+The namespaces cap the TCP buffers at --window-kib (tcp_rmem/tcp_wmem max): with the emulator's
+~100 MB/s link the bandwidth-delay product is 4 MB, so a 1 MiB buffer puts one flow at a fraction of
+the link, as Linux's default 4-6 MiB buffers do on a real 10 Gb/s x 40 ms path (50 MB in flight).
+``tcp_slow_start_after_idle`` is 0 in the namespaces, as the launcher advises.
+
+Prints a table (medians of --repeats transfers) and ends with one JSON line of ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STREAMS = 32
+
+
+def _plan(conns: int):
+    from launch import topology
+    from launch.estimate import ModelSpec
+    from launch.plan import make_plan
+
+    raw = {"datacenters": {"a": {"hosts": [{"name": "a0", "slots": 1}]},
+                           "b": {"hosts": [{"name": "b0", "slots": 1}]}},
+           "wan": [{"between": ["a", "b"], "rtt_ms": 40, "bandwidth_gbps": 1}]}
+    model = ModelSpec(layers=2, hidden=8, seq=8, global_batch=1, pp=2, tp=1, dp=1)
+    return make_plan(topology.parse(raw, source="wan-bench"), model, conns, "spatial")
+
+
+def worker(rank: int, master: str, peer: str, ifname: str, mib: int, conns: list[int], repeats: int) -> None:
+    """One side of the transfer, inside its namespace. Rank 1 (the receiver) prints the timings."""
+    os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    import torch
+    import torch.distributed as dist
+
+    from launch.sockets import established_connections
+    from launch.striping import open_wan_groups
+
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:29600", rank=rank, world_size=2)
+    n = mib * 2**20 // 4
+    x = torch.arange(n, dtype=torch.float32) if rank == 0 else torch.empty(n)
+    out = {}
+    for k in conns:
+        dist.barrier()
+        before = established_connections({peer})
+        wan = open_wan_groups(_plan(k), k, ifname)
+        dist.barrier()
+        opened = established_connections({peer}) - before
+        times, sample = [], {}
+        for rep in range(repeats):
+            dist.barrier()
+            t0 = time.monotonic()
+            if rank == 0:
+                sampler = _Sampler(peer) if k == 1 and rep == repeats - 1 else None
+                for w in wan.isend(x, 0, 1):
+                    w.wait()
+                if sampler is not None:
+                    sample = sampler.stop()
+            else:
+                x.zero_()
+                for w in wan.irecv(x, 1, 0):
+                    w.wait()
+                times.append(time.monotonic() - t0)
+                if rep == 0 and not bool((x[:: 1 << 16] == torch.arange(0, n, 1 << 16)).all()):
+                    raise RuntimeError(f"k={k}: the striped transfer arrived corrupted")
+        obj = [sample]
+        dist.broadcast_object_list(obj, src=0)
+        out[k] = {"seconds": times, "opened": opened, "ss": obj[0]}
+    if rank == 1:
+        print("RESULT " + json.dumps(out), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class _Sampler:
+    """``ss -ti`` of the busiest connection to ``peer``, sampled while a transfer runs."""
+
+    def __init__(self, peer: str) -> None:
+        self.peer, self.best, self._stop = peer, {}, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            text = subprocess.run(["ss", "-tinH", "dst", self.peer], capture_output=True, text=True).stdout
+            for info in text.split("\n\t"):
+                fields = dict(re.findall(r"(\w+):([\d.]+)", info))
+                acked = int(fields.get("bytes_acked", -1))
+                if acked > int(self.best.get("bytes_acked", 0)):
+                    self.best = {k: fields[k] for k in ("bytes_acked", "snd_wnd", "rtt", "cwnd", "mss")
+                                 if k in fields}
+                    self.best.update(re.findall(r"(rwnd_limited|sndbuf_limited):\d+ms\(([\d.]+)%\)", info))
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        return self.best
+
+
+def link_rate(link, seconds: float = 3.0) -> float:
+    """Bytes/s that STREAMS plain TCP streams push from A to B (the emulated link's capacity)."""
+    server = (f"import socket, threading\n"
+              f"s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+              f"s.bind(({link.addr_b!r}, 5201)); s.listen({STREAMS})\n"
+              f"def drain(c):\n    while c.recv(1 << 20):\n        pass\n"
+              f"while True:\n"
+              f"    threading.Thread(target=drain, args=(s.accept()[0],), daemon=True).start()\n")
+    link.lab.popen(link.b, [sys.executable, "-c", server])
+    client = (f"import socket, threading, time\n"
+              f"sent = [0] * {STREAMS}; buf = bytes(1 << 20)\n"
+              f"socks = [socket.create_connection(({link.addr_b!r}, 5201)) for _ in range({STREAMS})]\n"
+              f"def push(i, end):\n    while time.monotonic() < end:\n"
+              f"        sent[i] += socks[i].send(buf)\n"
+              f"warm = time.monotonic() + 1.0\n"
+              f"ts = [threading.Thread(target=push, args=(i, warm)) for i in range({STREAMS})]\n"
+              f"[t.start() for t in ts]; [t.join() for t in ts]\n"
+              f"sent = [0] * {STREAMS}; t0 = time.monotonic(); end = t0 + {seconds}\n"
+              f"ts = [threading.Thread(target=push, args=(i, end)) for i in range({STREAMS})]\n"
+              f"[t.start() for t in ts]; [t.join() for t in ts]\n"
+              f"print(sum(sent) / (time.monotonic() - t0))\n")
+    for _ in range(50):
+        try:
+            return float(link.a.run(sys.executable, "-c", client).stdout)
+        except RuntimeError:
+            time.sleep(0.1)       # the server is not listening yet
+    raise RuntimeError("link_rate: could not reach the stream server")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rtt-ms", type=float, default=40.0)
+    ap.add_argument("--rate-mbit", type=float, default=800.0)
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--window-kib", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--connections", default="1,2,4,8,16")
+    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--args", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    conns = [int(c) for c in a.connections.split(",")]
+    if a.worker is not None:
+        master, peer, ifname = json.loads(a.args)
+        worker(a.worker, master, peer, ifname, a.mib, conns, a.repeats)
+        return
+
+    from launch import netns
+    from launch.wanemu import WanLink
+
+    ok, reason = netns.available()
+    if not ok:
+        print(json.dumps({"bench": "wan", "skipped": reason}))
+        return
+    load_before = os.getloadavg()
+    window = a.window_kib * 1024
+    with WanLink(rtt=a.rtt_ms / 1e3, rate=a.rate_mbit * 1e6 / 8) as link:
+        for ns in (link.a, link.b):
+            ns.sysctl("net.ipv4.tcp_rmem", f"4096 131072 {window}")
+            ns.sysctl("net.ipv4.tcp_wmem", f"4096 16384 {window}")
+            ns.sysctl("net.ipv4.tcp_slow_start_after_idle", "0")
+        rtt = link.probe_rtt(9)
+        rate = link_rate(link)
+        procs = []
+        for rank, ns, peer, ifname in ((0, link.a, link.addr_b, link.ifname_a),
+                                       (1, link.b, link.addr_a, link.ifname_b)):
+            args = json.dumps([link.addr_a, peer, ifname])
+            cmd = ["timeout", "1200", sys.executable, "-m", "benchmarks.wan", "--worker", str(rank),
+                   "--args", args, "--mib", str(a.mib), "--connections", a.connections,
+                   "--repeats", str(a.repeats)]
+            procs.append(link.lab.popen(ns, cmd, cwd=REPO, stdout=subprocess.PIPE, text=True,
+                                        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}))
+        outs = [p.communicate()[0] for p in procs]
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"worker failed: {[p.returncode for p in procs]}\n{outs}")
+        drops = link.drops()
+    load_after = os.getloadavg()
+    result = json.loads(next(line for line in outs[1].splitlines() if line.startswith("RESULT "))[7:])
+    _report(a, rtt, rate, window, result, drops, load_before, load_after)
+
+
+def _report(a, rtt, rate, window, result, drops, load_before, load_after) -> None:
+    size = a.mib * 2**20
+    mbps = {int(k): size / statistics.median(v["seconds"]) / 1e6 for k, v in result.items()}
+    ss = result[min(result, key=int)]["ss"]
+    wnd_rtt = int(ss["snd_wnd"]) / (float(ss["rtt"]) / 1e3) / 1e6 if ss.get("snd_wnd") else float("nan")
+    buf_rtt = window / rtt / 1e6
+    print(f"emulated WAN: RTT {rtt * 1e3:.1f} ms (set {a.rtt_ms:g}), tbf {a.rate_mbit:g} Mbit/s, "
+          f"TCP buffers capped at {a.window_kib} KiB, {a.mib} MiB per transfer, median of {a.repeats}")
+    print(f"link rate ({STREAMS} plain TCP streams): {rate / 1e6:.1f} MB/s")
+    print(f"one connection's limits: buffer/RTT {buf_rtt:.1f} MB/s; advertised window/RTT {wnd_rtt:.1f} MB/s "
+          f"(ss: snd_wnd {ss.get('snd_wnd')} B, rtt {ss.get('rtt')} ms, rwnd_limited "
+          f"{ss.get('rwnd_limited', '?')}%, sndbuf_limited {ss.get('sndbuf_limited', '?')}%)")
+    print(f"{'connections':>11}  {'opened':>6}  {'MB/s':>8}  {'vs link':>7}  {'runs (s)':<24}")
+    for k in sorted(mbps):
+        runs = " ".join(f"{t:.2f}" for t in result[str(k)]["seconds"])
+        share = mbps[k] / (rate / 1e6)
+        print(f"{k:>11}  {result[str(k)]['opened']:>6}  {mbps[k]:>8.1f}  {share:>7.1%}  {runs:<24}")
+    print(f"drops: {drops}")
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
+    best = max(mbps.values())
+    summary = {"bench": "wan", "rtt_ms": round(rtt * 1e3, 2), "link_MBps": round(rate / 1e6, 1),
+               "MBps": {str(k): round(v, 1) for k, v in sorted(mbps.items())},
+               "best_vs_link": round(best / (rate / 1e6), 3),
+               "one_vs_window_rtt": round(mbps[min(mbps)] / wnd_rtt, 3),
+               "one_vs_buffer_rtt": round(mbps[min(mbps)] / buf_rtt, 3),
+               "best_vs_one": round(best / mbps[min(mbps)], 2),
+               "load1": [round(load_before[0], 2), round(load_after[0], 2)]}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""``python -m launch``: the same as the ``deepspeed-atlas`` console script."""
+
+from launch.runner import main
+
+main()

@@ -1,0 +1,17 @@
+"""Small plans for multi-rank tests, made through the real topology parser and planner."""
+
+from launch import topology
+from launch.estimate import ModelSpec
+from launch.plan import make_plan
+
+
+def two_dc_plan(pp: int = 2, tp: int = 1, dp: int = 2, connections: int = 4, sharing: str = "temporal",
+                layers: int = 4):
+    """pp stages over data centers "a" (first half of the stages) and "b", one host each."""
+    first = (pp + 1) // 2
+    raw = {"datacenters": {"a": {"hosts": [{"name": "a0", "slots": first * tp * dp}], "ifname": "lo"},
+                           "b": {"hosts": [{"name": "b0", "slots": (pp - first) * tp * dp}],
+                                 "ifname": "lo"}},
+           "wan": [{"between": ["a", "b"], "rtt_ms": 1, "bandwidth_gbps": 1, "window_mb": 4}]}
+    model = ModelSpec(layers=layers, hidden=16, seq=8, global_batch=4 * dp, pp=pp, tp=tp, dp=dp)
+    return make_plan(topology.parse(raw, source="test"), model, connections, sharing)

@@ -1,0 +1,179 @@
+"""deepspeed-atlas: argument handling, errors before launch, and the environment reaching every rank
+on the single-node and the pdsh path (a stand-in pdsh that starts each "node" in a clean environment,
+as ssh would), with values no shell may interpret."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.plan import Plan
+from launch.runner import prepare, shell_export
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = "tests/launch/dump_env.py"
+NASTY = "it's $(touch {mark}) `touch {mark}` \"q\" $HOME; touch {mark} \\"
+
+
+def _topology(tmp_path, hosts_a=1, hosts_b=1, slots=1, model=None, **wan):
+    raw = {"datacenters": {
+        "a": {"hosts": [{"name": f"a{i}", "slots": slots, "addr": "127.0.0.1"} for i in range(hosts_a)],
+              "ifname": "lo"},
+        "b": {"hosts": [{"name": f"b{i}", "slots": slots} for i in range(hosts_b)], "ifname": "lo"}},
+        "wan": [{"between": ["a", "b"], "rtt_ms": 40, "bandwidth_gbps": 10, **wan}],
+        "model": model or {"layers": 4, "hidden": 64, "seq": 32, "global_batch": 4,
+                           "pp": 2, "tp": 1, "dp": 1}}
+    path = tmp_path / "topology.json"
+    path.write_text(json.dumps(raw))
+    return str(path)
+
+
+def test_arguments_pass_through(tmp_path):
+    topo = _topology(tmp_path)
+    launch = prepare(["--master_port", "29123", "--atlas-topology", topo, "--wan-connections=3",
+                      "--no_local_rank", SCRIPT, "--wan-connections", "9", "--atlas-topology", "x"])
+    assert launch.argv == ["--master_port", "29123", "--no_local_rank", "--master_addr", "127.0.0.1",
+                           "--hostfile", "", SCRIPT, "--wan-connections", "9", "--atlas-topology", "x"]
+    assert launch.env["ATLAS_WAN_CONNS"] == "3" and launch.env["NCCL_NSOCKS_PERTHREAD"] == "3"
+    assert Plan.decode(launch.env["ATLAS_PLAN"]) == launch.plan
+    assert launch.plan.hostfile() == "a0 slots=1\nb0 slots=1\n"
+
+
+def test_no_ssh_finds_this_node(tmp_path):
+    topo = _topology(tmp_path)
+    by_index = prepare(["--atlas-topology", topo, "--no_ssh", "--node_rank", "1", SCRIPT])
+    assert by_index.node == "b0" and by_index.argv[by_index.argv.index("--node_rank") + 1] == "1"
+    assert by_index.env["GLOO_SOCKET_IFNAME"] == os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    by_name = prepare(["--atlas-topology", topo, "--no_ssh", "--atlas-host", "a0", SCRIPT])
+    assert by_name.argv.count("--node_rank") == 1 and "0" in by_name.argv
+    big = _topology(tmp_path, hosts_b=2)          # pp=2 x 1 GPU fits in b, the larger DC: a0 idles
+    assert prepare(["--atlas-topology", big, "--no_ssh", "--atlas-host", "a0", SCRIPT]).idle
+
+
+@pytest.mark.parametrize("extra, env, message", [
+    (["--atlas-host", "zz"], {}, "unknown host 'zz'"),
+    (["--node_rank", "2"], {}, "--node_rank 2: the plan uses 2 hosts"),
+    (["--atlas-host", "a0", "--node_rank", "1"], {}, "disagree"),
+    ([], {"NCCL_SOCKET_NTHREADS": "16"}, "8 x 16 = 128: must be <= 64"),
+])
+def test_bad_no_ssh_and_nccl_settings(tmp_path, monkeypatch, extra, env, message):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=message):
+        prepare(["--atlas-topology", _topology(tmp_path), "--wan-connections", "8", "--no_ssh", *extra,
+                 SCRIPT])
+
+
+def _run(args, env=None, cwd=REPO, timeout=120):
+    full = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "launch", *args], cwd=cwd, env=full, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _broken_topology(tmp_path, mutate):
+    raw = json.loads(Path(_topology(tmp_path)).read_text())
+    mutate(raw)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(raw))
+    return str(path)
+
+
+def test_a_bad_topology_stops_before_anything_launches(tmp_path):
+    path = _broken_topology(tmp_path, lambda r: r["wan"][0].update(between=["a", "c"]))
+    out = tmp_path / "out"
+    res = _run(["--atlas-topology", path, SCRIPT, "--out", str(out)])
+    assert res.returncode == 2 and "unknown data center 'c'" in res.stderr, res.stderr
+    assert not out.exists()                                      # the script never ran
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda r: r["wan"][0].update(between=["a", "c"]), "unknown data center 'c'"),
+    (lambda r: r.update(wan=[]), "no WAN entry between 'a' and 'b'"),
+    (lambda r: r["model"].update(pp=2, tp=1, dp=4), "too few GPUs for the plan"),
+])
+def test_bad_topologies_raise_in_prepare(tmp_path, mutate, message):
+    with pytest.raises(ValueError, match=message):
+        prepare(["--atlas-topology", _broken_topology(tmp_path, mutate), SCRIPT])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hostfile", "/etc/hosts"], "the hosts come from --atlas-topology"),
+    (["--include", "a0"], "would change the planned rank layout"),
+    (["--num_gpus", "1"], "the plan decides the nodes and GPUs"),
+    (["--wan-connections", "65"], "must be <= 64"),
+])
+def test_conflicting_arguments(tmp_path, argv, message):
+    with pytest.raises(ValueError, match=message):
+        prepare(["--atlas-topology", _topology(tmp_path), *argv, SCRIPT])
+
+
+def test_shell_export_runs_nothing(tmp_path):
+    mark = tmp_path / "mark"
+    value = NASTY.format(mark=mark) + "\nsecond line"
+    name, quoted = shell_export("ATLAS_X", value)
+    out = subprocess.run(["sh", "-c", f'export {name}={quoted}; printf %s "$ATLAS_X"'], capture_output=True,
+                         text=True, check=True).stdout
+    assert out == value.strip() and not mark.exists()
+    with pytest.raises(ValueError, match="cannot be exported"):
+        shell_export("NCCL_X;touch", "1")
+
+
+def _ranks(out):
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))}
+
+
+def test_single_node_launch(tmp_path):
+    topo = tmp_path / "one.json"
+    topo.write_text(json.dumps({"datacenters": {"a": {"hosts": [{"name": "localhost", "slots": 2}]}},
+                                "model": {"layers": 2, "hidden": 8, "seq": 4, "global_batch": 4,
+                                          "pp": 2, "tp": 1, "dp": 1}}))
+    out = tmp_path / "out"
+    res = _run(["--atlas-topology", str(topo), "--master_port", "29517", SCRIPT, "--out", str(out), "x y"],
+               env={"ATLAS_TEST_VALUE": "plain"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    ranks = _ranks(out)
+    assert sorted(ranks) == [0, 1]
+    for r in ranks.values():
+        assert r["env"]["ATLAS_TEST_VALUE"] == "plain" and r["world"] == 2 and r["rest"] == ["x y"]
+
+
+PDSH = """#!/bin/sh
+# Stand-in for pdsh: runs the remote command once per host of -w, here, in a clean environment as a
+# fresh ssh session would (only what the command exports reaches it); %n becomes the host index.
+while [ $# -gt 0 ]; do
+  case "$1" in -S) shift ;; -f) shift 2 ;; -w) hosts="$2"; shift 2 ;; *) break ;; esac
+done
+cmd="$*"; i=0; pids=""
+for h in $(echo "$hosts" | tr , ' '); do
+  env -i PATH="$PATH" HOME="$HOME" sh -c "$(echo "$cmd" | sed "s/%n/$i/g")" & pids="$pids $!"; i=$((i+1))
+done
+rc=0; for p in $pids; do wait $p || rc=$?; done; exit $rc
+"""
+
+
+def test_pdsh_path_exports_env_to_every_node(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "pdsh").write_text(PDSH)
+    (bin_dir / "pdsh").chmod(0o755)
+    mark = tmp_path / "mark"
+    value = NASTY.format(mark=mark)
+    out = tmp_path / "out"
+    res = _run(["--atlas-topology", _topology(tmp_path), "--wan-connections", "4", "--no_ssh_check",
+                "--master_port", "29519", SCRIPT, "--out", str(out)],
+               env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "ATLAS_TEST_VALUE": value,
+                    "GLOO_TEST": "g", "UNRELATED_TEST": "u"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    ranks = _ranks(out)
+    assert sorted(ranks) == [0, 1]
+    for rank, r in ranks.items():
+        assert r["env"]["ATLAS_TEST_VALUE"] == value.strip()     # arrived verbatim ...
+        assert r["env"]["GLOO_TEST"] == "g" and r["env"]["ATLAS_WAN_CONNS"] == "4"
+        assert r["env"]["NCCL_SOCKET_NTHREADS"] == "1" and r["env"]["NCCL_NSOCKS_PERTHREAD"] == "4"
+        assert "UNRELATED_TEST" not in r["env"]
+        assert r["cross_rank"] == str(rank) and r["dc"] == "ab"[rank]
+        assert r["gloo_ifname"] == "lo"                           # resolved per node from the plan
+    assert not mark.exists()                                      # ... and nothing in it ran

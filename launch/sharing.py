@@ -35,13 +35,14 @@ class _Ring:
     d: int                     # this replica's index = its rank in the ring group
     replicas: int
     tag: int
+    device: torch.device           # where the token lives: NCCL sends only device tensors
     calls: int = 0             # WAN sends this replica has made on this ring
     pending: list = field(default_factory=list)
 
     def acquire(self) -> None:
         if self.calls == 0 and self.d == 0:
             return                                   # replica 0 holds the first token
-        token = torch.zeros(1, dtype=torch.int64)
+        token = torch.zeros(1, dtype=torch.int64, device=self.device)
         comm.recv(token, (self.d - 1) % self.replicas, self.group, tag=self.tag)
         want = self.calls * self.replicas + self.d
         if int(token) != want:
@@ -50,7 +51,8 @@ class _Ring:
 
     def release(self) -> None:
         comm.wait_all(self.pending)
-        token = torch.tensor([self.calls * self.replicas + self.d + 1], dtype=torch.int64)
+        token = torch.tensor([self.calls * self.replicas + self.d + 1], dtype=torch.int64,
+                             device=self.device)
         self.pending = [comm.isend(token, (self.d + 1) % self.replicas, self.group, tag=self.tag)]
         self.calls += 1
 
@@ -69,6 +71,8 @@ class TemporalSharing:
         self.plan = plan
         self._rings: dict[tuple[int, bool], _Ring] = {}
         stage_me, d_me, t_me = plan.coord(me)
+        device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+                  else torch.device("cpu"))
         wan = set(plan.wan_boundaries())
         # stages that send across a boundary: s sends forward over s -> s+1, s+1 sends backward.
         senders = sorted({s for s in wan} | {s + 1 for s in wan})
@@ -80,7 +84,7 @@ class TemporalSharing:
                     continue
                 for fwd in (True, False):
                     if (s if fwd else s - 1) in wan:
-                        self._rings[(s, fwd)] = _Ring(group, d_me, plan.dp, _TAG[fwd])
+                        self._rings[(s, fwd)] = _Ring(group, d_me, plan.dp, _TAG[fwd], device)
 
     def ring(self, me: int, peer: int) -> _Ring | None:
         """The ring a send from ``me`` to ``peer`` takes turns on (None: no sharing needed)."""

@@ -13,7 +13,8 @@ Groups stay registered with torch.distributed, so every transfer goes through :m
 (and shows in its ledger under the group's name).
 
 NCCL needs none of this: ``NCCL_NSOCKS_PERTHREAD`` x ``NCCL_SOCKET_NTHREADS`` already stripes each
-message (:mod:`launch.sockets`); :func:`open_wan_groups` therefore only builds gloo groups.
+message over that many sockets (:mod:`launch.sockets`), so on NCCL the pair groups are plain
+communicators and a transfer goes whole (one stripe); they still carry the temporal-sharing turns.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class WanGroups:
     """The WAN pipeline pairs of a plan and, on gloo, their k-device groups."""
 
     connections: int
+    stripes: int                  # transfers are cut in this many pieces: connections on gloo, 1 on NCCL
     stripe_min_bytes: int = STRIPE_MIN_BYTES
     groups: dict[frozenset, object] = field(default_factory=dict)   # {src, dst} -> process group
 
@@ -72,14 +74,14 @@ class WanGroups:
     def _stripes(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """k views of the flat tensor (chunk i goes with tag i, hence over device i)."""
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        if self.connections == 1 or tensor.numel() * tensor.element_size() < self.stripe_min_bytes:
+        if self.stripes == 1 or tensor.numel() * tensor.element_size() < self.stripe_min_bytes:
             return [flat]
-        return list(flat.tensor_split(self.connections))
+        return list(flat.tensor_split(self.stripes))
 
 
 def open_wan_groups(plan: Plan, connections: int, ifname: str | None = None,
                     stripe_min_bytes: int = STRIPE_MIN_BYTES) -> WanGroups:
-    """Create the k-device gloo group of every WAN pipeline pair. Collective over the world.
+    """Create the group of every WAN pipeline pair (k gloo devices each). Collective over the world.
 
     ``ifname``: the interface the WAN traffic leaves by (default: the first entry of this process's
     ``GLOO_SOCKET_IFNAME``, else the plan's interface for this rank's data center).
@@ -87,17 +89,21 @@ def open_wan_groups(plan: Plan, connections: int, ifname: str | None = None,
     if dist.get_world_size() != plan.world_size:
         raise ValueError(f"open_wan_groups: the world has {dist.get_world_size()} ranks but the plan "
                          f"{plan.world_size} (pp={plan.pp} x tp={plan.tp} x dp={plan.dp})")
-    if dist.get_backend() != "gloo":
-        raise ValueError(f"open_wan_groups: the world backend is {dist.get_backend()!r}; multi-TCP over "
-                         "NCCL comes from NCCL_NSOCKS_PERTHREAD x NCCL_SOCKET_NTHREADS (launch.sockets)")
     me = dist.get_rank()
+    if dist.get_backend() != "gloo":
+        wan = WanGroups(connections, stripes=1, stripe_min_bytes=stripe_min_bytes)
+        for src, dst in plan.wan_pairs():
+            group = comm.new_group([src, dst], name=f"atlas-wan({src},{dst})")   # collective
+            if me in (src, dst):
+                wan.groups[frozenset((src, dst))] = group
+        return wan
     if ifname is None:
         current = os.environ.get("GLOO_SOCKET_IFNAME", "")
         ifname = current.split(",")[0] or plan.host_of(me)[0].ifname
     if connections > 1 and not ifname:
         raise ValueError("open_wan_groups: several gloo connections need the interface name: set "
                          "GLOO_SOCKET_IFNAME or the data center's \"ifname\" in the topology file")
-    wan = WanGroups(connections, stripe_min_bytes)
+    wan = WanGroups(connections, stripes=connections, stripe_min_bytes=stripe_min_bytes)
     devices = gloo_ifname(ifname, connections) if ifname else os.environ.get("GLOO_SOCKET_IFNAME", "")
     for src, dst in plan.wan_pairs():
         # new_group is collective: every rank calls it for every pair, in the same order.

@@ -130,11 +130,14 @@ class WanLink:
         return None if rtt < 0 else rtt
 
     def drops(self) -> dict[str, int]:
-        """Where packets went missing: TX drops of each TUN, forwarder queue drops, TCP retransmits."""
+        """Where packets went missing: TX drops of each TUN, tbf's drops (its queue overflowing: the
+        congestion signal TCP is meant to see), forwarder queue drops, TCP retransmissions."""
         out = {}
         for ns, ifname, side in ((self.a, self.ifname_a, "a"), (self.b, self.ifname_b, "b")):
             stats = json.loads(ns.ip("-j", "-s", "link", "show", "dev", ifname).stdout)[0]["stats64"]
             out[f"tx_dropped_{side}"] = stats["tx"]["dropped"]
+            qdisc = json.loads(ns.run("tc", "-s", "-j", "qdisc", "show", "dev", ifname).stdout)
+            out[f"tbf_dropped_{side}"] = sum(q.get("drops", 0) for q in qdisc if q.get("kind") == "tbf")
             snmp = ns.read("/proc/net/snmp").splitlines()
             tcp = [line.split() for line in snmp if line.startswith("Tcp:")]
             out[f"tcp_retrans_{side}"] = int(dict(zip(tcp[0], tcp[1], strict=True))["RetransSegs"])

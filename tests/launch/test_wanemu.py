@@ -23,8 +23,8 @@ def test_delay_line_devices_and_cleanup(namespaces):
             assert "tbf" in ns.run("tc", "qdisc", "show", "dev", ifname).stdout
             assert "rate 400Mbit" in ns.run("tc", "qdisc", "show", "dev", ifname).stdout
         drops = w.drops()
-        assert set(drops) == {"tx_dropped_a", "tx_dropped_b", "tcp_retrans_a", "tcp_retrans_b",
-                              "forwarder_dropped_ab", "forwarder_dropped_ba"}
+        assert set(drops) == {f"{kind}_{side}" for kind in ("tx_dropped", "tbf_dropped", "tcp_retrans")
+                              for side in "ab"} | {"forwarder_dropped_ab", "forwarder_dropped_ba"}
         assert drops["tx_dropped_a"] == drops["tx_dropped_b"] == 0
         names = [ns.name for ns in w.lab.namespaces]
         procs = list(w.lab.procs)

@@ -19,7 +19,7 @@ What it models (atlas.md §1.5–1.6; the choices are ours where the paper's tex
   runs; the iteration ends when the last all-reduce ends.
 
 The worked example of atlas.md §1.5 (two stages, D = 2, transfers of one time unit) is reproduced
-exactly by tests/launch/test_simulate.py.
+exactly by tests/launch/test_simulate.py, and so is the design note's toy 1F1B/GPipe table.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ _EPS = 1e-12
 
 @dataclass(frozen=True, slots=True)
 class Link:
-    """One direction of one stage boundary."""
+    """One stage boundary; each direction is a separate resource with these properties."""
 
     latency: float
     bandwidth: float                  # bytes/s of the whole link

@@ -5,8 +5,9 @@
 Two network namespaces joined by launch.wanemu (a TUN delay line for the RTT, tbf for the rate; needs
 root). One gloo rank in each sends a 256 MiB tensor the way ATLAS's patched pipeline p2p does
 (launch.striping: a k-device WAN group, the tensor cut into k stripes with tags 0..k−1), for each k.
-Alongside, the anchors: the link rate itself (32 plain TCP streams, as many as it takes to fill it),
-and one connection's window/RTT limit (sampled from ``ss -ti`` during the k=1 transfer).
+Alongside, the anchors: the stock pipeline p2p (``dist.send`` on the world group, what DeepSpeed's
+pipeline engine does: one connection), the link rate itself (32 plain TCP streams, as many as it
+takes to fill it), and one connection's window/RTT limit (sampled from ``ss -ti`` during k=1).
 
 The namespaces cap the TCP buffers at --window-kib (tcp_rmem/tcp_wmem max): with the emulator's
 ~100 MB/s link the bandwidth-delay product is 4 MB, so a 1 MiB buffer puts one flow at a fraction of
@@ -51,13 +52,25 @@ def worker(rank: int, master: str, peer: str, ifname: str, mib: int, conns: list
     import torch
     import torch.distributed as dist
 
+    from commweave import comm
     from launch.sockets import established_connections
     from launch.striping import open_wan_groups
 
     dist.init_process_group("gloo", init_method=f"tcp://{master}:29600", rank=rank, world_size=2)
     n = mib * 2**20 // 4
     x = torch.arange(n, dtype=torch.float32) if rank == 0 else torch.empty(n)
-    out = {}
+    # The anchor: what DeepSpeed's pipeline p2p does today, dist.send on the world group with tag 0,
+    # i.e. one TCP connection.
+    stock = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.monotonic()
+        if rank == 0:
+            comm.send(x, 1, dist.group.WORLD)
+        else:
+            comm.recv(x, 0, dist.group.WORLD)
+            stock.append(time.monotonic() - t0)
+    out = {"stock": {"seconds": stock}}
     for k in conns:
         dist.barrier()
         before = established_connections({peer})
@@ -91,28 +104,32 @@ def worker(rank: int, master: str, peer: str, ifname: str, mib: int, conns: list
 
 
 class _Sampler:
-    """``ss -ti`` of the busiest connection to ``peer``, sampled while a transfer runs."""
+    """``ss -ti`` of the busiest connection to ``peer`` while a transfer runs: its largest advertised
+    window (snd_wnd), its minimum RTT, and how much of the time it was window- or buffer-limited."""
 
     def __init__(self, peer: str) -> None:
-        self.peer, self.best, self._stop = peer, {}, threading.Event()
+        self.peer, self.conns, self._stop = peer, {}, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(0.5):
-            text = subprocess.run(["ss", "-tinH", "dst", self.peer], capture_output=True, text=True).stdout
-            for info in text.split("\n\t"):
+            lines = subprocess.run(["ss", "-tinH", "dst", self.peer], capture_output=True,
+                                   text=True).stdout.splitlines()
+            for head, info in zip(lines[::2], lines[1::2], strict=False):
                 fields = dict(re.findall(r"(\w+):([\d.]+)", info))
-                acked = int(fields.get("bytes_acked", -1))
-                if acked > int(self.best.get("bytes_acked", 0)):
-                    self.best = {k: fields[k] for k in ("bytes_acked", "snd_wnd", "rtt", "cwnd", "mss")
-                                 if k in fields}
-                    self.best.update(re.findall(r"(rwnd_limited|sndbuf_limited):\d+ms\(([\d.]+)%\)", info))
+                if "bytes_acked" not in fields or "snd_wnd" not in fields:
+                    continue
+                c = self.conns.setdefault(head.split()[3], {"snd_wnd": 0})
+                c["bytes_acked"] = int(fields["bytes_acked"])
+                c["snd_wnd"] = max(c["snd_wnd"], int(fields["snd_wnd"]))
+                c["minrtt"] = float(fields.get("minrtt", fields.get("rtt", "nan")))
+                c.update(re.findall(r"(rwnd_limited|sndbuf_limited):\d+ms\(([\d.]+)%\)", info))
 
     def stop(self) -> dict:
         self._stop.set()
         self._thread.join()
-        return self.best
+        return max(self.conns.values(), key=lambda c: c["bytes_acked"], default={})
 
 
 def link_rate(link, seconds: float = 3.0) -> float:
@@ -197,16 +214,19 @@ def main() -> None:
 
 def _report(a, rtt, rate, window, result, drops, load_before, load_after) -> None:
     size = a.mib * 2**20
+    stock = size / statistics.median(result.pop("stock")["seconds"]) / 1e6
     mbps = {int(k): size / statistics.median(v["seconds"]) / 1e6 for k, v in result.items()}
     ss = result[min(result, key=int)]["ss"]
-    wnd_rtt = int(ss["snd_wnd"]) / (float(ss["rtt"]) / 1e3) / 1e6 if ss.get("snd_wnd") else float("nan")
-    buf_rtt = window / rtt / 1e6
+    wnd_rtt = ss["snd_wnd"] / (ss["minrtt"] / 1e3) / 1e6 if ss.get("snd_wnd") else float("nan")
+    base_rtt = ss["minrtt"] / 1e3 if ss.get("minrtt") else rtt      # the path's RTT without queueing
+    buf_rtt = window / base_rtt / 1e6
     print(f"emulated WAN: RTT {rtt * 1e3:.1f} ms (set {a.rtt_ms:g}), tbf {a.rate_mbit:g} Mbit/s, "
           f"TCP buffers capped at {a.window_kib} KiB, {a.mib} MiB per transfer, median of {a.repeats}")
     print(f"link rate ({STREAMS} plain TCP streams): {rate / 1e6:.1f} MB/s")
     print(f"one connection's limits: buffer/RTT {buf_rtt:.1f} MB/s; advertised window/RTT {wnd_rtt:.1f} MB/s "
-          f"(ss: snd_wnd {ss.get('snd_wnd')} B, rtt {ss.get('rtt')} ms, rwnd_limited "
-          f"{ss.get('rwnd_limited', '?')}%, sndbuf_limited {ss.get('sndbuf_limited', '?')}%)")
+          f"(ss on the k=1 connection: max snd_wnd {ss.get('snd_wnd')} B, minrtt {ss.get('minrtt')} ms, "
+          f"rwnd_limited {ss.get('rwnd_limited', '?')}%, sndbuf_limited {ss.get('sndbuf_limited', '?')}%)")
+    print(f"stock pipeline p2p (dist.send on the world group, one connection): {stock:.1f} MB/s")
     print(f"{'connections':>11}  {'opened':>6}  {'MB/s':>8}  {'vs link':>7}  {'runs (s)':<24}")
     for k in sorted(mbps):
         runs = " ".join(f"{t:.2f}" for t in result[str(k)]["seconds"])
@@ -221,6 +241,7 @@ def _report(a, rtt, rate, window, result, drops, load_before, load_after) -> Non
                "one_vs_window_rtt": round(mbps[min(mbps)] / wnd_rtt, 3),
                "one_vs_buffer_rtt": round(mbps[min(mbps)] / buf_rtt, 3),
                "best_vs_one": round(best / mbps[min(mbps)], 2),
+               "stock_MBps": round(stock, 1), "best_vs_stock": round(best / stock, 2),
                "load1": [round(load_before[0], 2), round(load_after[0], 2)]}
     print(json.dumps(summary))
 

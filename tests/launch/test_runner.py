@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from commweave.world import free_port
 from launch.plan import Plan
 from launch.runner import prepare, shell_export
 
@@ -131,8 +132,8 @@ def test_single_node_launch(tmp_path):
                                 "model": {"layers": 2, "hidden": 8, "seq": 4, "global_batch": 4,
                                           "pp": 2, "tp": 1, "dp": 1}}))
     out = tmp_path / "out"
-    res = _run(["--atlas-topology", str(topo), "--master_port", "29517", SCRIPT, "--out", str(out), "x y"],
-               env={"ATLAS_TEST_VALUE": "plain"})
+    res = _run(["--atlas-topology", str(topo), "--master_port", str(free_port()), SCRIPT, "--out", str(out),
+                "x y"], env={"ATLAS_TEST_VALUE": "plain"})
     assert res.returncode == 0, res.stdout + res.stderr
     ranks = _ranks(out)
     assert sorted(ranks) == [0, 1]
@@ -163,7 +164,7 @@ def test_pdsh_path_exports_env_to_every_node(tmp_path):
     value = NASTY.format(mark=mark)
     out = tmp_path / "out"
     res = _run(["--atlas-topology", _topology(tmp_path), "--wan-connections", "4", "--no_ssh_check",
-                "--master_port", "29519", SCRIPT, "--out", str(out)],
+                "--master_port", str(free_port()), SCRIPT, "--out", str(out)],
                env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "ATLAS_TEST_VALUE": value,
                     "GLOO_TEST": "g", "UNRELATED_TEST": "u"})
     assert res.returncode == 0, res.stdout + res.stderr

@@ -132,18 +132,18 @@ class _Sampler:
         return max(self.conns.values(), key=lambda c: c["bytes_acked"], default={})
 
 
-def link_rate(link, seconds: float = 3.0) -> float:
+def link_rate(link, seconds: float = 3.0, port: int = 5201) -> float:
     """Bytes/s that STREAMS plain TCP streams push from A to B (the emulated link's capacity)."""
     server = (f"import socket, threading\n"
               f"s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-              f"s.bind(({link.addr_b!r}, 5201)); s.listen({STREAMS})\n"
+              f"s.bind(({link.addr_b!r}, {port})); s.listen({STREAMS})\n"
               f"def drain(c):\n    while c.recv(1 << 20):\n        pass\n"
               f"while True:\n"
               f"    threading.Thread(target=drain, args=(s.accept()[0],), daemon=True).start()\n")
     link.lab.popen(link.b, [sys.executable, "-c", server])
     client = (f"import socket, threading, time\n"
               f"sent = [0] * {STREAMS}; buf = bytes(1 << 20)\n"
-              f"socks = [socket.create_connection(({link.addr_b!r}, 5201)) for _ in range({STREAMS})]\n"
+              f"socks = [socket.create_connection(({link.addr_b!r}, {port})) for _ in range({STREAMS})]\n"
               f"def push(i, end):\n    while time.monotonic() < end:\n"
               f"        sent[i] += socks[i].send(buf)\n"
               f"warm = time.monotonic() + 1.0\n"
@@ -206,13 +206,16 @@ def main() -> None:
         outs = [p.communicate()[0] for p in procs]
         if any(p.returncode for p in procs):
             raise RuntimeError(f"worker failed: {[p.returncode for p in procs]}\n{outs}")
+        # the link rate again after the transfers: a busy machine lowers either measurement, the
+        # larger one is the closer to what the link carries
+        rates = [rate, link_rate(link, port=5202)]
         drops = link.drops()
     load_after = os.getloadavg()
     result = json.loads(next(line for line in outs[1].splitlines() if line.startswith("RESULT "))[7:])
-    _report(a, rtt, rate, window, result, drops, load_before, load_after)
+    _report(a, rtt, max(rates), rates, window, result, drops, load_before, load_after)
 
 
-def _report(a, rtt, rate, window, result, drops, load_before, load_after) -> None:
+def _report(a, rtt, rate, rates, window, result, drops, load_before, load_after) -> None:
     size = a.mib * 2**20
     stock = size / statistics.median(result.pop("stock")["seconds"]) / 1e6
     mbps = {int(k): size / statistics.median(v["seconds"]) / 1e6 for k, v in result.items()}
@@ -222,7 +225,9 @@ def _report(a, rtt, rate, window, result, drops, load_before, load_after) -> Non
     buf_rtt = window / base_rtt / 1e6
     print(f"emulated WAN: RTT {rtt * 1e3:.1f} ms (set {a.rtt_ms:g}), tbf {a.rate_mbit:g} Mbit/s, "
           f"TCP buffers capped at {a.window_kib} KiB, {a.mib} MiB per transfer, median of {a.repeats}")
-    print(f"link rate ({STREAMS} plain TCP streams): {rate / 1e6:.1f} MB/s")
+    ceiling = a.rate_mbit * 1e6 / 8 * (9000 - 52) / 9000 / 1e6     # tbf's rate less IP+TCP headers
+    print(f"link rate ({STREAMS} plain TCP streams, before/after): "
+          f"{' / '.join(f'{r / 1e6:.1f}' for r in rates)} MB/s (tbf payload ceiling {ceiling:.1f} MB/s)")
     print(f"one connection's limits: buffer/RTT {buf_rtt:.1f} MB/s; advertised window/RTT {wnd_rtt:.1f} MB/s "
           f"(ss on the k=1 connection: max snd_wnd {ss.get('snd_wnd')} B, minrtt {ss.get('minrtt')} ms, "
           f"rwnd_limited {ss.get('rwnd_limited', '?')}%, sndbuf_limited {ss.get('sndbuf_limited', '?')}%)")

@@ -237,17 +237,18 @@ def _report(a, rtt, rate, rates, window, result, drops, load_before, load_after)
           f"(ss on the k=1 connection: max snd_wnd {ss.get('snd_wnd')} B, minrtt {ss.get('minrtt')} ms, "
           f"rwnd_limited {ss.get('rwnd_limited', '?')}%, sndbuf_limited {ss.get('sndbuf_limited', '?')}%)")
     print(f"stock pipeline p2p (dist.send on the world group, one connection): {stock:.1f} MB/s")
-    print(f"{'connections':>11}  {'opened':>6}  {'MB/s':>8}  {'vs link':>7}  {'runs (s)':<24}")
+    print(f"{'connections':>11}  {'opened':>6}  {'MB/s':>8}  {'vs link':>7}  {'vs tbf':>7}  {'runs (s)':<24}")
     for k in sorted(mbps):
         runs = " ".join(f"{t:.2f}" for t in result[str(k)]["seconds"])
-        share = mbps[k] / (rate / 1e6)
-        print(f"{k:>11}  {result[str(k)]['opened']:>6}  {mbps[k]:>8.1f}  {share:>7.1%}  {runs:<24}")
+        share, of_tbf = mbps[k] / (rate / 1e6), mbps[k] / ceiling
+        opened = result[str(k)]["opened"]
+        print(f"{k:>11}  {opened:>6}  {mbps[k]:>8.1f}  {share:>7.1%}  {of_tbf:>7.1%}  {runs:<24}")
     print(f"drops: {drops}")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
     best = max(mbps.values())
     summary = {"bench": "wan", "rtt_ms": round(rtt * 1e3, 2), "link_MBps": round(rate / 1e6, 1),
                "MBps": {str(k): round(v, 1) for k, v in sorted(mbps.items())},
-               "best_vs_link": round(best / (rate / 1e6), 3),
+               "best_vs_link": round(best / (rate / 1e6), 3), "best_vs_tbf_ceiling": round(best / ceiling, 3),
                "one_vs_window_rtt": round(mbps[min(mbps)] / wnd_rtt, 3),
                "one_vs_buffer_rtt": round(mbps[min(mbps)] / buf_rtt, 3),
                "best_vs_one": round(best / mbps[min(mbps)], 2),

@@ -44,3 +44,6 @@ def test_exchange_shares_a_node_nic_between_its_flows():
     transpose = [(0, 2), (1, 3), (2, 0), (3, 1)]
     assert cost.exchange(intra, nic, transpose, node, 1e6) == pytest.approx(1e-5 + 2e-3)
     assert cost.exchange(intra, nic, [(0, 0)], node, 1e6) == 0.0
+    # One NIC per rank at a quarter of the node's: the lone ring flow is capped by it.
+    rank_nic = cost.AlphaBeta(1e-5, 4e-9)
+    assert cost.exchange(intra, nic, ring, node, 1e6, rank_nic) == pytest.approx(1e-5 + 4e-3)

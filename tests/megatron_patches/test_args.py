@@ -35,11 +35,12 @@ def test_defaults_and_values():
     assert cfg == WallFacerConfig(context_parallel_size=8)
     cfg = WallFacerConfig.from_args(_parse(
         BASE + " --wallfacer-team-size 2 --wallfacer-placement node-aware --wallfacer-kernel sdpa"
-        " --wallfacer-backward q --wallfacer-ranks-per-node 4 --wallfacer-bandwidth 300 25"
+        " --wallfacer-backward q --wallfacer-ranks-per-node 4 --wallfacer-bandwidth 300 25 12.5"
         " --wallfacer-latency 2 15 --wallfacer-tflops 150"))
     assert (cfg.team_size, cfg.placement, cfg.kernel, cfg.backward, cfg.ranks_per_node) == (
         2, "node-aware", "sdpa", "q", 4)
-    assert cfg.bandwidth_gbytes == (300.0, 25.0) and cfg.latency_us == (2.0, 15.0) and cfg.tflops == 150.0
+    assert cfg.bandwidth_gbytes == (300.0, 25.0, 12.5)
+    assert cfg.latency_us == (2.0, 15.0) and cfg.tflops == 150.0
     assert WallFacerConfig.from_args(_parse(BASE + " --wallfacer-team-size auto")).team_size == "auto"
 
 
@@ -81,7 +82,7 @@ def test_config_checks_its_own_values():
     with pytest.raises(ValueError, match="kernel='cudnn' is not one of"):
         WallFacerConfig(kernel="cudnn")
     with pytest.raises(ValueError, match="must be > 0"):
-        WallFacerConfig(bandwidth_gbytes=(0.0, 1.0))
+        WallFacerConfig(bandwidth_gbytes=(0.0, 1.0, 1.0))
 
 
 def test_core_attention_recompute_warns():

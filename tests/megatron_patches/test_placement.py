@@ -47,7 +47,7 @@ def test_node_aware_keeps_sub_rings_inside_nodes():
 def test_auto_prefers_teams_across_slow_ethernet():
     """32 A100 in 2 nodes of 16 on 100 Gb/s Ethernet (paper Table 1), GPT-7B-like heads at 128K tokens:
     ring attention waits on the NIC every step; teams cut those bytes by C."""
-    topo = Topology.from_specs(16, intra_gbytes=250, nic_gbytes=12.5, intra_us=3, nic_us=20, tflops=150)
+    topo = Topology.from_specs(16, intra_gbytes=300, nic_gbytes=12.5, intra_us=3, nic_us=20, tflops=170)
     nodes = nodes_of(range(32), 16)
     sh = Shard(s=131072 // 32, b=1, hq=32, hkv=32, d=128, elt=2, acc=4)
     times = {c: estimate(Layout(32, c), sh, nodes, topo) for c in (1, 2, 4)}
@@ -58,7 +58,7 @@ def test_auto_prefers_teams_across_slow_ethernet():
 
 def test_estimate_is_compute_bound_on_one_fast_node():
     """Eight GPUs on NVLink at 64K tokens: every C hides its hops behind compute, so all are close."""
-    topo = Topology.from_specs(8, intra_gbytes=450, nic_gbytes=400, tflops=400)
+    topo = Topology.from_specs(8, intra_gbytes=450, nic_gbytes=400, tflops=400, rank_nic_gbytes=50)
     nodes = [0] * 8
     sh = Shard(s=65536 // 8, b=1, hq=32, hkv=8, d=128, elt=2, acc=4)
     times = [estimate(Layout(8, c), sh, nodes, topo) for c in (1, 2)]

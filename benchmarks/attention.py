@@ -16,9 +16,9 @@ Rows per world of P gloo ranks (one thread each), N = P × --seq-per-rank tokens
 Each row: median over rounds (rows interleaved within a round) of the slowest rank's time; the error
 against full attention on the same rows; bytes each rank sends per forward / backward from the ledger
 (DeepSpeed's all-to-alls through commweave.comm.trace_torch_distributed), mean over ranks; peak live
-tensor memory per rank during one step (the torch profiler's memory timeline). Then the forward P2P
-bytes of every C at P = 16 (the C = 4 case), the alpha-beta *projections* (placement.estimate, not
-measurements) for the paper's clusters, and one JSON line of ratios.
+tensor memory per rank during one step (the CPU allocator's total, from the torch profiler). Then the
+forward P2P bytes of every C at P = 16 (the C = 4 case), the alpha-beta *projections*
+(placement.estimate, not measurements) for the paper's clusters, and one JSON line of ratios.
 """
 
 from __future__ import annotations
@@ -86,18 +86,21 @@ def _methods(world: int, me: int, s: int, k_all, v_all):
 
 
 def _peak_bytes(step) -> int:
-    """Peak of live CPU tensor bytes created during ``step`` (the profiler's memory timeline)."""
+    """Peak growth of the CPU allocator's live bytes during ``step``: each allocation event the profiler
+    records carries the allocator's running total."""
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    live = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:
-        live += size if action == Action.CREATE else -size if action == Action.DESTROY else 0
-        peak = max(peak, live)
-    return peak
+    allocs, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.typed[0] == _EventType.Allocation:
+            allocs.append((e.start_time_ns, e.typed[1].total_allocated, e.typed[1].alloc_size))
+    allocs.sort()
+    return max(total for _, total, _ in allocs) - (allocs[0][1] - allocs[0][2])
 
 
 def _measure(s: int, b: int, h: int, d: int, rounds: int):

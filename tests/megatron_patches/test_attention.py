@@ -223,3 +223,25 @@ def test_refusals_name_the_setting(world):
         assert len(errors) == len(expected)
         for got, want in zip(errors, expected, strict=True):
             assert want in got, (want, got)
+
+
+def test_specs_swap_every_layer_and_refuse_mla():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from megatron_patches import WallFacerConfig, get_gpt_layer_wallfacer_spec, with_wallfacer
+    from megatron_patches.attention import WallFacerAttention, wallfacer_layer_spec
+
+    block = TransformerBlockSubmodules(layer_specs=[get_gpt_layer_local_spec(), get_gpt_layer_local_spec()])
+    swapped = with_wallfacer(block, WallFacerConfig(team_size=2))
+    for layer in swapped.layer_specs:
+        core = layer.submodules.self_attention.submodules.core_attention
+        assert core.module is WallFacerAttention
+        assert core.params == {"wallfacer": WallFacerConfig(team_size=2)}
+    assert block.layer_specs[0].submodules.self_attention.submodules.core_attention is not core  # a copy
+    # Megatron-LM's --spec takes a module attribute; its settings come from the --wallfacer-* args.
+    assert wallfacer_layer_spec.submodules.self_attention.submodules.core_attention.params == {}
+    with pytest.raises(ValueError, match="multi_latent_attention is not supported"):
+        get_gpt_layer_wallfacer_spec(multi_latent_attention=True)
+    with pytest.raises(ValueError, match="multi-latent attention is not supported"):
+        with_wallfacer(get_gpt_layer_local_spec(multi_latent_attention=True))

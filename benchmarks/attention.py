@@ -9,9 +9,9 @@ Rows per world of P gloo ranks (one thread each), N = P × --seq-per-rank tokens
     ring (C=1)       the same code with C = 1: zigzag ring attention, as ring-flash-attention runs it
     ulysses          deepspeed.sequence.layer.DistributedAttention (DeepSpeed-Ulysses: all-to-all to
                      head shards, local causal SDPA, all-to-all back; contiguous rows)
-    compute only     the hardware limit: every rank computes its own zigzag share of the causal work
-                     (its two chunks against the keys up to them, SDPA with a mask) and communicates
-                     nothing
+    compute only     the hardware limit: ring attention's code with every message dropped, so each
+                     rank makes the same kernel calls on its own K/V and communicates nothing (its
+                     output is not attention, so it has no error column)
 
 Each row: median over rounds (rows interleaved within a round) of the slowest rank's time; the error
 against full attention on the same rows; bytes each rank sends per forward / backward from the ledger
@@ -35,6 +35,8 @@ import torch.nn.functional as F
 
 from commweave import comm, ledger
 from commweave.world import World
+from megatron_patches.block import select_kernel
+from megatron_patches.groups import WallFacerGroups
 from megatron_patches.layout import Layout, rank_chunks, valid_team_sizes
 from megatron_patches.placement import ORDERS, Topology, estimate, nodes_of
 from megatron_patches.volume import Shard
@@ -57,19 +59,27 @@ def _local_sdpa(q, k, v):
     return F.scaled_dot_product_attention(*_bhsd(q, k, v), is_causal=True).permute(2, 0, 1, 3)
 
 
-def _compute_only(q, k_all, v_all, rows):
-    """This rank's zigzag share of causal attention on local data: each chunk against the keys up to it."""
-    s = rows.shape[0] // 2
-    outs = []
-    for i in range(2):
-        chunk = rows[i * s:(i + 1) * s]
-        end = int(chunk[-1]) + 1
-        qi, ki, vi = _bhsd(q[i * s:(i + 1) * s], k_all[:end], v_all[:end])
-        outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=chunk[:, None] >= torch.arange(end)))
-    return torch.cat(outs, dim=2).permute(2, 0, 1, 3)
+class _Silent(WallFacerGroups):
+    """Ring attention's groups with every message dropped: the same kernel calls, nothing sent."""
+
+    def ring_shift(self, sends, recvs, tag):
+        return []
+
+    def permute(self, send, dst, recv, src, tag):
+        return []
 
 
-def _methods(world: int, me: int, s: int, k_all, v_all):
+def _compute_only(world: int, me: int, head_dim: int):
+    # wallfacer's private autograd Function, driven with the silent groups (benchmark-only use).
+    from megatron_patches.wallfacer import _Run, _WallFacer
+
+    groups = _Silent(dist.group.WORLD, Layout(world, 1), me, None, None, {})
+    kernel = select_kernel("auto", torch.device("cpu"), torch.float32)
+    run = _Run(groups, kernel, head_dim ** -0.5, True, "kv")
+    return lambda q, k, v: _WallFacer.apply(q, k, v, run)
+
+
+def _methods(world: int, me: int, head_dim: int):
     import deepspeed
     from deepspeed.sequence.layer import DistributedAttention
 
@@ -80,8 +90,7 @@ def _methods(world: int, me: int, s: int, k_all, v_all):
                ("zigzag", lambda q, k, v, c=c: wallfacer_attention(q, k, v, group, c, check=False))
                for c in reversed(valid_team_sizes(world))}
     methods["ulysses"] = ("contiguous", lambda q, k, v: ulysses(q, k, v, 1))
-    rows = _rows("zigzag", world, me, s)
-    methods["compute only"] = ("zigzag", lambda q, k, v: _compute_only(q, k_all, v_all, rows))
+    methods["compute only"] = ("zigzag", _compute_only(world, me, head_dim))
     return methods
 
 
@@ -109,7 +118,7 @@ def _measure(s: int, b: int, h: int, d: int, rounds: int):
     torch.manual_seed(0)
     n = world * s
     q, k, v, g = (torch.randn(n, b, h, d) for _ in range(4))
-    methods = _methods(world, me, s, k.clone().requires_grad_(), v.clone().requires_grad_())
+    methods = _methods(world, me, d)
     out = {}
     for name, (layout, fn) in methods.items():
         rows = _rows(layout, world, me, s)
@@ -120,7 +129,7 @@ def _measure(s: int, b: int, h: int, d: int, rounds: int):
             o = fn(*ins)
         with ledger.recording() as bwd, comm.trace_torch_distributed():
             o.backward(g[rows])
-        err = (o.detach() - ref.permute(2, 0, 1, 3)).abs().max().item()
+        err = (o.detach() - ref.permute(2, 0, 1, 3)).abs().max().item() if name != "compute only" else None
 
         def step(fn=fn, ins=ins, grad=g[rows]):
             fn(*ins).backward(grad)
@@ -163,7 +172,8 @@ def run_world(world: int, args) -> dict:
     rows = {}
     for name in per_rank[0]:
         slowest = [max(r[name]["times"][i] for r in per_rank) for i in range(1, args.reps + 1)]
-        rows[name] = {"ms": 1e3 * statistics.median(slowest), "err": max(r[name]["err"] for r in per_rank),
+        errs = [r[name]["err"] for r in per_rank if r[name]["err"] is not None]
+        rows[name] = {"ms": 1e3 * statistics.median(slowest), "err": max(errs) if errs else None,
                       "peak_mb": max(r[name]["peak"] for r in per_rank) / 1e6,
                       **{f"{phase}_{kind}": statistics.mean(r[name][phase][kind] for r in per_rank) / 1e6
                          for phase in ("fwd", "bwd") for kind in KINDS}}
@@ -174,7 +184,8 @@ def run_world(world: int, args) -> dict:
           f"{'AG MB':>7}{'RS MB':>7}{'A2A MB':>7}{'peak MB':>8}{'P2P fwd/ring':>13}")
     for name, r in rows.items():
         coll = {kind: r[f"fwd_{kind}"] + r[f"bwd_{kind}"] for kind in KINDS}
-        print(f"{name:<15}{r['ms']:>11.1f}{ring['ms'] / r['ms']:>7.2f}{r['err']:>9.1e}{r['fwd_send']:>11.2f}"
+        err = f"{r['err']:>9.1e}" if r["err"] is not None else f"{'n/a':>9}"
+        print(f"{name:<15}{r['ms']:>11.1f}{ring['ms'] / r['ms']:>7.2f}{err}{r['fwd_send']:>11.2f}"
               f"{r['bwd_send']:>11.2f}{coll['all_gather']:>7.2f}{coll['reduce_scatter']:>7.2f}"
               f"{coll['all_to_all']:>7.2f}{r['peak_mb']:>8.1f}{r['fwd_send'] / ring['fwd_send']:>13.3f}")
     print("(MB sent per rank, mean over ranks; peak: live tensor MB per rank in one step, max over ranks)")

@@ -13,7 +13,9 @@ Rows per world of P gloo ranks (one thread each), N = P × --seq-per-rank tokens
                      rank makes the same kernel calls on its own K/V and communicates nothing (its
                      output is not attention, so it has no error column)
 
-Each row: median over rounds (rows interleaved within a round) of the slowest rank's time; the error
+Each row: median over rounds (rows interleaved within a round) of the slowest rank's time, and of the
+CPU time a rank's process spends (all its threads, mean over ranks: the work, which other users of
+a shared machine do not change as much as they change the wall time); the error
 against full attention on the same rows; bytes each rank sends per forward / backward from the ledger
 (DeepSpeed's all-to-alls through commweave.comm.trace_torch_distributed), mean over ranks; peak live
 tensor memory per rank during one step (the CPU allocator's total, from the torch profiler). Then the
@@ -136,12 +138,13 @@ def _measure(s: int, b: int, h: int, d: int, rounds: int):
 
         out[name] = {"err": err, "fwd": {kind: fwd.sent(kind) for kind in KINDS},
                      "bwd": {kind: bwd.sent(kind) for kind in KINDS}, "peak": _peak_bytes(step),
-                     "step": step, "times": []}
+                     "step": step, "times": [], "cpu": []}
     for _ in range(rounds):
         for r in out.values():
             dist.barrier()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             r["step"]()
+            r["cpu"].append(time.process_time() - c)
             dist.barrier()
             r["times"].append(time.perf_counter() - t)
     for r in out.values():
@@ -173,19 +176,22 @@ def run_world(world: int, args) -> dict:
     for name in per_rank[0]:
         slowest = [max(r[name]["times"][i] for r in per_rank) for i in range(1, args.reps + 1)]
         errs = [r[name]["err"] for r in per_rank if r[name]["err"] is not None]
+        cpu = [statistics.mean(r[name]["cpu"][i] for r in per_rank) for i in range(1, args.reps + 1)]
         rows[name] = {"ms": 1e3 * statistics.median(slowest), "err": max(errs) if errs else None,
+                      "cpu_ms": 1e3 * statistics.median(cpu),
                       "peak_mb": max(r[name]["peak"] for r in per_rank) / 1e6,
                       **{f"{phase}_{kind}": statistics.mean(r[name][phase][kind] for r in per_rank) / 1e6
                          for phase in ("fwd", "bwd") for kind in KINDS}}
     ring = rows["ring (C=1)"]
     print(f"\nP = {world} ranks, N = {world * args.seq_per_rank} tokens, b = {args.batch}, "
           f"{args.heads} heads x {args.head_dim}, fp32, causal; median of {args.reps} rounds; load {_load()}")
-    print(f"{'method':<15}{'ms fwd+bwd':>11}{'ring/x':>7}{'max err':>9}{'P2P fwd MB':>11}{'P2P bwd MB':>11}"
-          f"{'AG MB':>7}{'RS MB':>7}{'A2A MB':>7}{'peak MB':>8}{'P2P fwd/ring':>13}")
+    print(f"{'method':<15}{'ms fwd+bwd':>11}{'ring/x':>7}{'cpu ms':>7}{'max err':>9}{'P2P fwd MB':>11}"
+          f"{'P2P bwd MB':>11}{'AG MB':>7}{'RS MB':>7}{'A2A MB':>7}{'peak MB':>8}{'P2P fwd/ring':>13}")
     for name, r in rows.items():
         coll = {kind: r[f"fwd_{kind}"] + r[f"bwd_{kind}"] for kind in KINDS}
         err = f"{r['err']:>9.1e}" if r["err"] is not None else f"{'n/a':>9}"
-        print(f"{name:<15}{r['ms']:>11.1f}{ring['ms'] / r['ms']:>7.2f}{err}{r['fwd_send']:>11.2f}"
+        print(f"{name:<15}{r['ms']:>11.1f}{ring['ms'] / r['ms']:>7.2f}{r['cpu_ms']:>7.0f}{err}"
+              f"{r['fwd_send']:>11.2f}"
               f"{r['bwd_send']:>11.2f}{coll['all_gather']:>7.2f}{coll['reduce_scatter']:>7.2f}"
               f"{coll['all_to_all']:>7.2f}{r['peak_mb']:>8.1f}{r['fwd_send'] / ring['fwd_send']:>13.3f}")
     print("(MB sent per rank, mean over ranks; peak: live tensor MB per rank in one step, max over ranks)")
@@ -255,6 +261,7 @@ def main(argv=None) -> None:
         summary[f"P{world}"] = {
             "best": best,
             "ring_ms_over_best_wallfacer_ms": round(ring["ms"] / fastest, 3),
+            "ring_cpu_over_best_wallfacer_cpu": round(ring["cpu_ms"] / rows[best]["cpu_ms"], 3),
             "ulysses_ms_over_best_wallfacer_ms": round(rows["ulysses"]["ms"] / fastest, 3),
             "compute_only_ms_over_best_wallfacer_ms": round(rows["compute only"]["ms"] / fastest, 3),
             "p2p_fwd_over_ring": {n: round(r["fwd_send"] / ring["fwd_send"], 3) for n, r in wf.items()},

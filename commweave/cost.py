@@ -84,14 +84,15 @@ def p2p(link: AlphaBeta, n: float) -> float:
 
 
 def exchange(intra: AlphaBeta, nic: AlphaBeta, pairs: Sequence[tuple[int, int]], node: Sequence[int],
-             n: float) -> float:
+             n: float, flow: AlphaBeta | None = None) -> float:
     """Time of a set of simultaneous point-to-point messages of n bytes on a two-level network.
 
     ``pairs`` are (source, destination) ranks, ``node[r]`` the node of rank r. A message inside a
     node pays ``intra`` (a per-rank link, e.g. NVLink). Messages between nodes share their nodes'
     NICs: ``nic`` is one node's network link (all its NICs together), divided among the flows that
-    leave the source node or enter the destination node, whichever is more. The exchange ends
-    with its slowest message.
+    leave the source node or enter the destination node, whichever is more; ``flow`` caps one
+    message at what a single rank's NIC carries (with one NIC per GPU, a lone flow does not get
+    the whole node's bandwidth). The exchange ends with its slowest message.
     """
     out_flows: dict[int, int] = {}
     in_flows: dict[int, int] = {}
@@ -107,5 +108,6 @@ def exchange(intra: AlphaBeta, nic: AlphaBeta, pairs: Sequence[tuple[int, int]],
             worst = max(worst, intra(n))
         else:
             share = max(out_flows[node[s]], in_flows[node[d]])
-            worst = max(worst, nic.alpha + nic.beta * n * share)
+            beta = max(nic.beta * share, flow.beta if flow is not None else 0.0)
+            worst = max(worst, nic.alpha + beta * n)
     return worst

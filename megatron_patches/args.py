@@ -43,10 +43,11 @@ class WallFacerConfig:
     """kv, q or auto (fewer bytes; volume.choose_backward)."""
     ranks_per_node: int | None = None
     """Consecutive global ranks per node; None reads LOCAL_WORLD_SIZE (else one node)."""
-    bandwidth_gbytes: tuple[float, float] = (450.0, 400.0)
-    """GB/s of one rank's intra-node link and of one node's network link (for "auto")."""
+    bandwidth_gbytes: tuple[float, float, float] = (450.0, 400.0, 50.0)
+    """GB/s of one rank's intra-node link, of a node's network (all NICs) and of one rank's NIC,
+    for "auto" (default: H100 nodes with NVLink and 8x400 Gb/s InfiniBand)."""
     latency_us: tuple[float, float] = (3.0, 10.0)
-    """µs of the same two links."""
+    """µs of the intra-node link and of the network."""
     tflops: float = 400.0
     """Attention TFLOP/s of one rank (for "auto")."""
     context_parallel_size: int | None = None
@@ -74,8 +75,9 @@ class WallFacerConfig:
         return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
     def topology(self, world_size: int) -> Topology:
-        return Topology.from_specs(self.node_size(world_size), *self.bandwidth_gbytes, *self.latency_us,
-                                   self.tflops)
+        intra, node, rank = self.bandwidth_gbytes
+        return Topology.from_specs(self.node_size(world_size), intra, node, *self.latency_us, self.tflops,
+                                   rank_nic_gbytes=rank)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WallFacerConfig:
@@ -134,9 +136,9 @@ def add_wallfacer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="Circulate K/V (kv) or queries (q) in the backward; auto picks fewer bytes.")
     g.add_argument("--wallfacer-ranks-per-node", type=int, default=d.ranks_per_node,
                    help="GPUs per node (default: LOCAL_WORLD_SIZE).")
-    g.add_argument("--wallfacer-bandwidth", type=float, nargs=2, default=list(d.bandwidth_gbytes),
-                   metavar=("INTRA", "NIC"),
-                   help="GB/s of a GPU's intra-node link and of a node's network, for auto.")
+    g.add_argument("--wallfacer-bandwidth", type=float, nargs=3, default=list(d.bandwidth_gbytes),
+                   metavar=("INTRA", "NODE", "GPU"),
+                   help="GB/s of a GPU's intra-node link, of a node's network and of a GPU's NIC, for auto.")
     g.add_argument("--wallfacer-latency", type=float, nargs=2, default=list(d.latency_us),
                    metavar=("INTRA", "NIC"), help="Latency in µs of the same links, for auto.")
     g.add_argument("--wallfacer-tflops", type=float, default=d.tflops,

@@ -31,21 +31,29 @@ BWD_FLOPS = 2.5  # FlashAttention-2's backward does 5 matmuls to the forward's 2
 
 @dataclass(frozen=True)
 class Topology:
-    """A two-level network: ``intra`` is one rank's link inside a node, ``nic`` a node's outside link."""
+    """A two-level network: ``intra`` is one rank's link inside a node, ``nic`` a node's outside link
+    (all its NICs), ``flow`` the most one rank's message gets between nodes (its own NIC)."""
 
     ranks_per_node: int
     intra: AlphaBeta
     nic: AlphaBeta
+    flow: AlphaBeta
     flops: float  # attention FLOP/s of one rank
 
     @classmethod
     def from_specs(cls, ranks_per_node: int, intra_gbytes: float, nic_gbytes: float,
-                   intra_us: float = 3.0, nic_us: float = 10.0, tflops: float = 300.0) -> Topology:
-        """From GB/s (10⁹ bytes/s), µs and TFLOP/s."""
+                   intra_us: float = 3.0, nic_us: float = 10.0, tflops: float = 300.0,
+                   rank_nic_gbytes: float | None = None) -> Topology:
+        """From GB/s (10⁹ bytes/s), µs and TFLOP/s; ``rank_nic_gbytes`` defaults to the node's."""
         if ranks_per_node < 1 or tflops <= 0:
             raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 1 and tflops={tflops} > 0")
-        return cls(ranks_per_node, AlphaBeta.from_link(intra_us * 1e-6, intra_gbytes * 1e9),
-                   AlphaBeta.from_link(nic_us * 1e-6, nic_gbytes * 1e9), tflops * 1e12)
+        nic = AlphaBeta.from_link(nic_us * 1e-6, nic_gbytes * 1e9)
+        flow = nic if rank_nic_gbytes is None else AlphaBeta.from_link(nic_us * 1e-6, rank_nic_gbytes * 1e9)
+        return cls(ranks_per_node, AlphaBeta.from_link(intra_us * 1e-6, intra_gbytes * 1e9), nic, flow,
+                   tflops * 1e12)
+
+    def exchange(self, pairs, nodes, n: float) -> float:
+        return cost.exchange(self.intra, self.nic, pairs, nodes, n, self.flow)
 
 
 def team_major(world: int, team_size: int) -> tuple[int, ...]:
@@ -88,7 +96,7 @@ def _team_link(lay: Layout, nodes: list[int], topo: Topology) -> AlphaBeta:
     if all(len({nodes[m] for m in lay.team_ranks(t)}) == 1 for t in range(lay.teams)):
         return topo.intra
     per_node = max(nodes.count(n) for n in set(nodes))
-    return AlphaBeta(topo.nic.alpha, topo.nic.beta * per_node)
+    return AlphaBeta(topo.nic.alpha, max(topo.nic.beta * per_node, topo.flow.beta))
 
 
 def estimate(lay: Layout, sh: Shard, nodes: list[int], topo: Topology, causal: bool = True) -> float:
@@ -105,7 +113,7 @@ def estimate(lay: Layout, sh: Shard, nodes: list[int], topo: Topology, causal: b
     place = [(r, lay.place_target(r)) for r in range(world)]
 
     def hop(n: float) -> float:
-        return cost.exchange(topo.intra, topo.nic, ring, nodes, n) if g > 1 else 0.0
+        return topo.exchange(ring, nodes, n) if g > 1 else 0.0
 
     def steps(t_compute: float, t_hop: float) -> float:
         return (g - 1) * max(t_compute, t_hop) + t_compute
@@ -115,18 +123,18 @@ def estimate(lay: Layout, sh: Shard, nodes: list[int], topo: Topology, causal: b
 
     mode = choose_backward(lay, sh)
     fwd = (team((sh.a_q + 2 * sh.a_kv) * e) + team(c * sh.rows * acc)
-           + cost.exchange(topo.intra, topo.nic, place, nodes, 2 * c * sh.a_kv * e)
+           + topo.exchange(place, nodes, 2 * c * sh.a_kv * e)
            + steps(step, hop(2 * c * sh.a_kv * e))
            + cost.reduce_scatter(link, c * sh.a_q * e, c))
     if mode == "kv":
         back = [(r, lay.place_source(lay.ring_next(r))) for r in range(world)]
         ring_bwd = steps(BWD_FLOPS * step, hop(2 * c * sh.a_kv * (e + acc)))
-        home = cost.exchange(topo.intra, topo.nic, back, nodes, 2 * c * sh.a_kv * acc)
+        home = topo.exchange(back, nodes, 2 * c * sh.a_kv * acc)
     else:
         back = [(r, lay.place_source(r)) for r in range(world)]
         ring_bwd = steps(BWD_FLOPS * step, hop(c * (3 * sh.a_q * e + sh.rows * acc + sh.a_q * acc)))
         home = (hop(c * sh.a_q * acc)
-                + cost.exchange(topo.intra, topo.nic, back, nodes, 2 * c * sh.a_kv * acc))
+                + topo.exchange(back, nodes, 2 * c * sh.a_kv * acc))
     bwd = (team(2 * sh.a_q * e) + ring_bwd + home
            + cost.reduce_scatter(link, c * (sh.a_q + 2 * sh.a_kv) * e, c))
     return fwd + bwd

@@ -115,9 +115,9 @@ def _attend(run: _Run, q_team: int, q, kv, kv_team: int, o, lse) -> None:
 def _attend_backward(run: _Run, q_team: int, qdo, lse, kv, kv_team: int, dq, dkv) -> None:
     """Gradients of one block, added into dq [b,h,C·s,d] and dkv [2, C·s, b, g, d] (accumulators).
 
-    ``qdo`` is [3, C·s, b, h, d]: the team's q, dO and final O.
+    ``qdo`` holds the team's q, dO and final O, each [C·s, b, h, d] (stacked or not).
     """
-    half = qdo.shape[1] // (2 * run.lay.team_size)
+    half = qdo[0].shape[0] // (2 * run.lay.team_size)
     q, do, o = _bhsd(qdo[0]), _bhsd(qdo[1]), _bhsd(qdo[2])
     k, v, dk, dv = _bhsd(kv[0]), _bhsd(kv[1]), _bhsd(dkv[0]), _bhsd(dkv[1])
     for q0, q1, kn, diag in run.calls(q_team, kv_team):
@@ -135,15 +135,16 @@ class _WallFacer(torch.autograd.Function):
         g, lay, me = run.groups, run.lay, run.me
         acc = block.acc_dtype(q.dtype)
         # Phase 1: team all-gather (one collective for q, k, v), rows sorted by chunk.
-        q_t, k_t, v_t = gather_team(g, [q, k, v])
-        kv = torch.stack((k_t, v_t))
+        (q_t,), kv = gather_team(g, [q], [k, v])  # kv: [2, C·s, b, g, d]
         # Phase 1b: the initial placement (Alg. 2); queries stay.
-        kv0 = torch.empty_like(kv) if lay.place_target(me) != me else kv
-        works = g.permute(kv, lay.place_target(me), kv0, lay.place_source(me), tag=0) if kv0 is not kv else []
-        # Phase 2: G ring steps, the next K/V in flight while this one is attended (double buffer).
+        placing = lay.place_target(me) != me
+        kv0 = torch.empty_like(kv) if placing else kv
+        works = g.permute(kv, lay.place_target(me), kv0, lay.place_source(me), tag=0) if placing else []
+        # Phase 2: G ring steps, the next K/V in flight while this one is attended (double buffer; the
+        # team's K/V buffer is free for it once placed, kv0 is kept for the backward).
         o = torch.zeros(q_t.shape, dtype=acc)
         lse = torch.full(o.shape[1:3] + o.shape[:1], float("-inf"), dtype=acc)
-        bufs = [torch.empty_like(kv), torch.empty_like(kv)] if lay.ring_len > 1 else []
+        bufs = [kv if placing else torch.empty_like(kv), torch.empty_like(kv)] if lay.ring_len > 1 else []
         cur, qb = kv0, _bhsd(q_t)
         for i in range(lay.ring_len):
             for w in works:
@@ -168,10 +169,16 @@ class _WallFacer(torch.autograd.Function):
     def backward(ctx, dout):
         run = ctx.run
         q_t, kv0, lse, out = ctx.saved_tensors
-        do_t, o_t = gather_team(run.groups, [dout, out])
-        qdo = torch.stack((q_t, do_t, o_t))
-        step = _backward_kv if run.mode == "kv" else _backward_q
-        dq, dkv = step(run, qdo, lse, kv0)
+        if run.lay.team_size == 1:
+            do_t, o_t = dout, out
+        else:
+            do_t, o_t = gather_team(run.groups, [dout, out])[0]
+        if run.mode == "kv":
+            dq, dkv = _backward_kv(run, (q_t, do_t, o_t), lse, kv0)
+        else:
+            qdo = torch.stack((q_t, do_t, o_t))  # one message per hop
+            del do_t, o_t
+            dq, dkv = _backward_q(run, qdo, lse, kv0)
         dq_l, dk_l, dv_l = scatter_team(run.groups, [dq, dkv[0], dkv[1]], q_t.dtype)
         return dq_l, dk_l, dv_l, None
 
@@ -184,7 +191,7 @@ def _backward_kv(run: _Run, qdo, lse, kv0):
     """
     g, lay, me = run.groups, run.lay, run.me
     acc, G = lse.dtype, lay.ring_len
-    dq = torch.zeros(qdo.shape[1:], dtype=acc)
+    dq = torch.zeros(qdo[0].shape, dtype=acc)
     kv_bufs = [torch.empty_like(kv0), torch.empty_like(kv0)] if G > 1 else []
     d_bufs = [torch.empty(kv0.shape, dtype=acc) for _ in range(2)]
     d_recv = torch.empty(kv0.shape, dtype=acc)

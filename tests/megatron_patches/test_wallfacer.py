@@ -19,7 +19,7 @@ from megatron_patches.placement import ring_major
 from megatron_patches.volume import Shard, backward_bytes, forward_bytes, mean_p2p
 from megatron_patches.wallfacer import wallfacer_attention
 
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {"fp64": 1e-10, "fp32": 2e-5}
 
 
@@ -115,24 +115,26 @@ def test_exact_against_full_attention_p16(world):
     _check_numerics(world)
 
 
-def _bf16_case(mode):
-    """bf16 WallFacer vs fp64, next to bf16 single-process attention vs fp64 (flash-attn's error rule)."""
+def _low_precision_case(mode, dtype):
+    """16-bit WallFacer vs fp64, next to single-process attention in the same dtype vs fp64 (flash-attn's
+    error rule). The team reduce-scatters carry the 16-bit dtype; accumulators are fp32."""
     world = dist.get_world_size()
     c = max(valid_team_sizes(world))
-    wallfacer = _run_case(world, c, True, 4, 2, mode, "sdpa", "bf16", s_local=8, d=16)
+    wallfacer = _run_case(world, c, True, 4, 2, mode, "auto", dtype, s_local=8, d=16)
     q, k, v, do = _global_inputs(world * 8, 2, 4, 2, 16)
     rows = local_rows("zigzag", world, dist.get_rank(), 8)
-    exact, low = _reference(q, k, v, do, True), _reference(q, k, v, do, True, torch.bfloat16)
+    exact, low = _reference(q, k, v, do, True), _reference(q, k, v, do, True, DTYPES[dtype])
     single = [(lo.double() - ex)[rows].abs().max().item() for lo, ex in zip(low, exact, strict=True)]
     return wallfacer, single
 
 
 @pytest.mark.world_size(4)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("mode", ["kv", "q"])
-def test_bf16_within_twice_single_process_error(world, mode):
-    for wallfacer, single in world.run(_bf16_case, mode):
+def test_16_bit_within_twice_single_process_error(world, mode, dtype):
+    for wallfacer, single in world.run(_low_precision_case, mode, dtype):
         for name, w, s in zip(("out", "dq", "dk", "dv"), wallfacer, single, strict=True):
-            assert w <= 2 * s, f"{name}: WallFacer bf16 error {w:.3g} > 2 x single-process bf16 error {s:.3g}"
+            assert w <= 2 * s, f"{name}: WallFacer {dtype} error {w:.3g} > 2 x single-process error {s:.3g}"
 
 
 def _ledger_case(c, mode, dtype, hq=4, hkv=2, s_local=4, b=2, d=8):

@@ -1,0 +1,281 @@
+"""Causal attention, forward + backward, under sequence parallelism on CPU ranks, side by side:
+
+    python -m benchmarks.attention                      # P = 4 and 8, then the P2P bytes at P = 16
+    python -m benchmarks.attention --worlds 8 --reps 9  # one world, more repetitions
+
+Rows per world of P gloo ranks (one thread each), N = P × --seq-per-rank tokens, MHA, fp32:
+
+    wallfacer C=c    megatron_patches.wallfacer_attention, every valid team size c > 1 (zigzag rows)
+    ring (C=1)       the same code with C = 1: zigzag ring attention, as ring-flash-attention runs it
+    ulysses          deepspeed.sequence.layer.DistributedAttention (DeepSpeed-Ulysses: all-to-all to
+                     head shards, local causal SDPA, all-to-all back; contiguous rows)
+    compute only     the hardware limit: ring attention's code with every message dropped, so each
+                     rank makes the same kernel calls on its own K/V and communicates nothing (its
+                     output is not attention, so it has no error column)
+
+Each row: median over rounds (rows interleaved within a round) of the slowest rank's time, and of the
+CPU time a rank's process spends (all its threads, mean over ranks: the work, which other users of
+a shared machine do not change as much as they change the wall time); the error
+against full attention on the same rows; bytes each rank sends per forward / backward from the ledger
+(DeepSpeed's all-to-alls through commweave.comm.trace_torch_distributed), mean over ranks; peak live
+tensor memory per rank during one step (the CPU allocator's total, from the torch profiler). Then the
+forward P2P bytes of every C at P = 16 (the C = 4 case), the alpha-beta *projections*
+(placement.estimate, not measurements) for the paper's clusters, and one JSON line of ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from commweave import comm, ledger
+from commweave.world import World
+from megatron_patches.block import select_kernel
+from megatron_patches.groups import WallFacerGroups
+from megatron_patches.layout import Layout, rank_chunks, valid_team_sizes
+from megatron_patches.placement import ORDERS, Topology, estimate, nodes_of
+from megatron_patches.volume import Shard
+from megatron_patches.wallfacer import wallfacer_attention
+
+KINDS = ("send", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def _rows(layout: str, world: int, rank: int, s: int) -> torch.Tensor:
+    half = s // 2
+    return torch.cat([torch.arange(c * half, (c + 1) * half) for c in rank_chunks(layout, world, rank)])
+
+
+def _bhsd(*ts):
+    return [t.permute(1, 2, 0, 3) for t in ts]
+
+
+def _local_sdpa(q, k, v):
+    """Ulysses' local attention: [N, b, h/P, d] → causal SDPA (the flash kernel on CPU)."""
+    return F.scaled_dot_product_attention(*_bhsd(q, k, v), is_causal=True).permute(2, 0, 1, 3)
+
+
+class _Silent(WallFacerGroups):
+    """Ring attention's groups with every message dropped: the same kernel calls, nothing sent."""
+
+    def ring_shift(self, sends, recvs, tag):
+        return []
+
+    def permute(self, send, dst, recv, src, tag):
+        return []
+
+
+def _compute_only(world: int, me: int, head_dim: int):
+    # wallfacer's private autograd Function, driven with the silent groups (benchmark-only use).
+    from megatron_patches.wallfacer import _Run, _WallFacer
+
+    groups = _Silent(dist.group.WORLD, Layout(world, 1), me, None, None, {})
+    kernel = select_kernel("auto", torch.device("cpu"), torch.float32)
+    run = _Run(groups, kernel, head_dim ** -0.5, True, "kv")
+    return lambda q, k, v: _WallFacer.apply(q, k, v, run)
+
+
+def _methods(world: int, me: int, head_dim: int):
+    import deepspeed
+    from deepspeed.sequence.layer import DistributedAttention
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    group = dist.group.WORLD
+    ulysses = DistributedAttention(_local_sdpa, group, scatter_idx=2, gather_idx=0)
+    methods = {f"wallfacer C={c}" if c > 1 else "ring (C=1)":
+               ("zigzag", lambda q, k, v, c=c: wallfacer_attention(q, k, v, group, c, check=False))
+               for c in reversed(valid_team_sizes(world))}
+    methods["ulysses"] = ("contiguous", lambda q, k, v: ulysses(q, k, v, 1))
+    methods["compute only"] = ("zigzag", _compute_only(world, me, head_dim))
+    return methods
+
+
+def _peak_bytes(step) -> int:
+    """Peak growth of the CPU allocator's live bytes during ``step``: each allocation event the profiler
+    records carries the allocator's running total."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    allocs, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.typed[0] == _EventType.Allocation:
+            allocs.append((e.start_time_ns, e.typed[1].total_allocated, e.typed[1].alloc_size))
+    allocs.sort()
+    return max(total for _, total, _ in allocs) - (allocs[0][1] - allocs[0][2])
+
+
+def _measure(s: int, b: int, h: int, d: int, rounds: int):
+    """On every rank: errors, ledger bytes, peak memory, then ``rounds`` interleaved timed steps."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    n = world * s
+    q, k, v, g = (torch.randn(n, b, h, d) for _ in range(4))
+    methods = _methods(world, me, d)
+    out = {}
+    for name, (layout, fn) in methods.items():
+        rows = _rows(layout, world, me, s)
+        ins = [t[rows].clone().requires_grad_() for t in (q, k, v)]
+        causal = rows[:, None] >= torch.arange(n)
+        ref = F.scaled_dot_product_attention(*_bhsd(q[rows], k, v), attn_mask=causal)
+        with ledger.recording() as fwd, comm.trace_torch_distributed():
+            o = fn(*ins)
+        with ledger.recording() as bwd, comm.trace_torch_distributed():
+            o.backward(g[rows])
+        err = (o.detach() - ref.permute(2, 0, 1, 3)).abs().max().item() if name != "compute only" else None
+
+        def step(fn=fn, ins=ins, grad=g[rows]):
+            fn(*ins).backward(grad)
+
+        out[name] = {"err": err, "fwd": {kind: fwd.sent(kind) for kind in KINDS},
+                     "bwd": {kind: bwd.sent(kind) for kind in KINDS}, "peak": _peak_bytes(step),
+                     "step": step, "times": [], "cpu": []}
+    for _ in range(rounds):
+        for r in out.values():
+            dist.barrier()
+            t, c = time.perf_counter(), time.process_time()
+            r["step"]()
+            r["cpu"].append(time.process_time() - c)
+            dist.barrier()
+            r["times"].append(time.perf_counter() - t)
+    for r in out.values():
+        del r["step"]
+    return out
+
+
+def _p2p_bytes(s: int, b: int, h: int, d: int):
+    """Forward and backward P2P bytes this rank sends, for every C (small shapes, no timing)."""
+    world, out = dist.get_world_size(), {}
+    x = [torch.randn(s, b, h, d, requires_grad=True) for _ in range(3)]
+    for c in valid_team_sizes(world):
+        with ledger.recording() as fwd:
+            o = wallfacer_attention(*x, dist.group.WORLD, c, check=False)
+        with ledger.recording() as bwd:
+            o.backward(torch.ones_like(o))
+        out[c] = (fwd.sent("send"), bwd.sent("send"))
+    return out
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def run_world(world: int, args) -> dict:
+    with World(world, timeout=1800) as w:
+        per_rank = w.run(_measure, args.seq_per_rank, args.batch, args.heads, args.head_dim, args.reps + 1)
+    rows = {}
+    for name in per_rank[0]:
+        slowest = [max(r[name]["times"][i] for r in per_rank) for i in range(1, args.reps + 1)]
+        errs = [r[name]["err"] for r in per_rank if r[name]["err"] is not None]
+        cpu = [statistics.mean(r[name]["cpu"][i] for r in per_rank) for i in range(1, args.reps + 1)]
+        rows[name] = {"ms": 1e3 * statistics.median(slowest), "err": max(errs) if errs else None,
+                      "cpu_ms": 1e3 * statistics.median(cpu),
+                      "peak_mb": max(r[name]["peak"] for r in per_rank) / 1e6,
+                      **{f"{phase}_{kind}": statistics.mean(r[name][phase][kind] for r in per_rank) / 1e6
+                         for phase in ("fwd", "bwd") for kind in KINDS}}
+    ring = rows["ring (C=1)"]
+    print(f"\nP = {world} ranks, N = {world * args.seq_per_rank} tokens, b = {args.batch}, "
+          f"{args.heads} heads x {args.head_dim}, fp32, causal; median of {args.reps} rounds; load {_load()}")
+    print(f"{'method':<15}{'ms fwd+bwd':>11}{'ring/x':>7}{'cpu ms':>7}{'max err':>9}{'P2P fwd MB':>11}"
+          f"{'P2P bwd MB':>11}{'AG MB':>7}{'RS MB':>7}{'A2A MB':>7}{'peak MB':>8}{'P2P fwd/ring':>13}")
+    for name, r in rows.items():
+        coll = {kind: r[f"fwd_{kind}"] + r[f"bwd_{kind}"] for kind in KINDS}
+        err = f"{r['err']:>9.1e}" if r["err"] is not None else f"{'n/a':>9}"
+        print(f"{name:<15}{r['ms']:>11.1f}{ring['ms'] / r['ms']:>7.2f}{r['cpu_ms']:>7.0f}{err}"
+              f"{r['fwd_send']:>11.2f}"
+              f"{r['bwd_send']:>11.2f}{coll['all_gather']:>7.2f}{coll['reduce_scatter']:>7.2f}"
+              f"{coll['all_to_all']:>7.2f}{r['peak_mb']:>8.1f}{r['fwd_send'] / ring['fwd_send']:>13.3f}")
+    print("(MB sent per rank, mean over ranks; peak: live tensor MB per rank in one step, max over ranks)")
+    return rows
+
+
+def p2p_world(world: int) -> dict:
+    with World(world, timeout=600) as w:
+        per_rank = w.run(_p2p_bytes, 8, 1, 4, 8)
+    ring_fwd = statistics.mean(r[1][0] for r in per_rank)
+    print(f"\nP2P bytes sent per rank in the forward at P = {world}, over ring attention's (C = 1):")
+    out = {}
+    for c in valid_team_sizes(world):
+        fwd = [r[c][0] for r in per_rank]
+        paper = Layout(world, c).ring_len * 2 * c / (2 * world)  # G hops of 2C·A (with placement) / P of 2A
+        out[c] = {"mean": statistics.mean(fwd) / ring_fwd, "max": max(fwd) / ring_fwd, "paper": paper}
+        print(f"  C={c}: mean {out[c]['mean']:.3f}, max {out[c]['max']:.3f}; paper's count (placement on "
+              f"every rank, ring P hops) {paper:.3f} = 1/C")
+    return out
+
+
+CLUSTERS = {
+    # paper Table 1: per-GPU NVLink GB/s one way, node network GB/s, latencies µs, attention TFLOP/s per GPU
+    "64x H100, 8/node, 8x400 Gb/s IB": (64, Topology.from_specs(8, 450, 400, 3, 5, 400,
+                                                                 rank_nic_gbytes=50)),
+    "32x A100, 16/node, 100 Gb/s Ethernet": (32, Topology.from_specs(16, 300, 12.5, 3, 20, 170)),
+}
+
+
+def projections() -> dict:
+    """PROJECTIONS of the alpha-beta model (placement.estimate): one attention layer fwd+bwd, GPT-7B-like
+    heads (32 × 128, bf16, MHA, batch 1), the better of the two slot orders per C."""
+    print("\nPROJECTION (alpha-beta model, not a measurement): one attention layer fwd+bwd, "
+          "32 heads x 128, bf16, batch 1")
+    out = {}
+    for name, (world, topo) in CLUSTERS.items():
+        nodes = nodes_of(range(world), topo.ranks_per_node)
+        print(f"  {name}:")
+        for tokens in (65536, 131072, 262144, 524288):
+            sh = Shard(tokens // world, 1, 32, 32, 128, 2, 4)
+            t = {c: min(estimate(Layout(world, c, order(world, c)), sh, nodes, topo)
+                        for order in ORDERS.values()) for c in valid_team_sizes(world)}
+            best = min(t, key=t.get)
+            out[f"{name} {tokens // 1024}K"] = round(t[1] / t[best], 3)
+            print(f"    {tokens // 1024:>4}K tokens: "
+                  + ", ".join(f"C={c} {1e3 * x:.1f} ms" for c, x in t.items())
+                  + f"; best C={best}, {t[1] / t[best]:.2f}x ring")
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--p2p-world", type=int, default=16, help="world for the P2P-bytes table (0: skip)")
+    p.add_argument("--seq-per-rank", type=int, default=512)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args(argv)
+    summary = {"load_before": _load()}
+    for world in args.worlds:
+        rows = run_world(world, args)
+        wf = {n: r for n, r in rows.items() if n.startswith("wallfacer")}
+        best = min(wf, key=lambda n: wf[n]["ms"]) if wf else "ring (C=1)"
+        ring, fastest = rows["ring (C=1)"], rows[best]["ms"]
+        summary[f"P{world}"] = {
+            "best": best,
+            "ring_ms_over_best_wallfacer_ms": round(ring["ms"] / fastest, 3),
+            "ring_cpu_over_best_wallfacer_cpu": round(ring["cpu_ms"] / rows[best]["cpu_ms"], 3),
+            "ulysses_ms_over_best_wallfacer_ms": round(rows["ulysses"]["ms"] / fastest, 3),
+            "compute_only_ms_over_best_wallfacer_ms": round(rows["compute only"]["ms"] / fastest, 3),
+            "p2p_fwd_over_ring": {n: round(r["fwd_send"] / ring["fwd_send"], 3) for n, r in wf.items()},
+            "p2p_fwd_bwd_over_ring": {
+                n: round((r["fwd_send"] + r["bwd_send"]) / (ring["fwd_send"] + ring["bwd_send"]), 3)
+                for n, r in wf.items()},
+        }
+    if args.p2p_world:
+        summary[f"P{args.p2p_world}_p2p_fwd_over_ring"] = {
+            f"C={c}": round(v["mean"], 3) for c, v in p2p_world(args.p2p_world).items() if c > 1}
+    summary["projection_ring_over_best"] = projections()
+    summary["load_after"] = _load()
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

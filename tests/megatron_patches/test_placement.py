@@ -1,0 +1,74 @@
+"""Topology-aware placement: the two slot orders, inter-node bytes, and the alpha-beta choice of C."""
+
+import pytest
+
+from megatron_patches.layout import Layout
+from megatron_patches.placement import (
+    Topology,
+    choose,
+    estimate,
+    inter_node_bytes,
+    nodes_of,
+    ring_major,
+    team_major,
+)
+from megatron_patches.volume import Shard
+
+SHARD = Shard(s=4096, b=1, hq=32, hkv=32, d=128, elt=2, acc=4)
+GQA = Shard(s=4096, b=1, hq=32, hkv=4, d=128, elt=2, acc=4)
+
+
+def test_orders():
+    assert team_major(16, 2) == tuple(range(16))
+    for p, c in ((16, 2), (64, 2), (64, 4), (32, 4)):
+        lay = Layout(p, c, ring_major(p, c))
+        for r in range(p):
+            ring = sorted(lay.ring_ranks(r))
+            assert ring == list(range(ring[0], ring[0] + lay.ring_len)), "sub-rings on consecutive CP ranks"
+
+
+def test_node_aware_keeps_sub_rings_inside_nodes():
+    """TP = 2 on 8-GPU nodes: 4 CP ranks per node. Team groups (8 ranks) span two nodes, so with
+    team-major sub-rings cross nodes; ring-major puts each sub-ring of G = 4 on one node and lets the
+    teams cross instead. With MHA the K/V hops weigh more; with GQA 8:1 the team's queries do."""
+    nodes = nodes_of(range(0, 32, 2), 8)
+    team, ring = Layout(16, 2, team_major(16, 2)), Layout(16, 2, ring_major(16, 2))
+    assert inter_node_bytes(ring, SHARD, nodes) < inter_node_bytes(team, SHARD, nodes)
+    assert choose(16, SHARD, nodes, None, 2, "node-aware").order == ring.order
+    assert inter_node_bytes(team, GQA, nodes) < inter_node_bytes(ring, GQA, nodes)
+    assert choose(16, GQA, nodes, None, 2, "node-aware").order == team.order
+    # A team group per node (8 CP ranks per node): only the placement crosses; team-major kept on a tie.
+    nodes = nodes_of(range(16), 8)
+    assert inter_node_bytes(team, SHARD, nodes) == inter_node_bytes(ring, SHARD, nodes)
+    assert choose(16, SHARD, nodes, None, 2, "node-aware").order == team.order
+    assert choose(16, SHARD, nodes, None, 2, "contiguous") == team
+
+
+def test_auto_prefers_teams_across_slow_ethernet():
+    """32 A100 in 2 nodes of 16 on 100 Gb/s Ethernet (paper Table 1), GPT-7B-like heads at 128K tokens:
+    ring attention waits on the NIC every step; teams cut those bytes by C."""
+    topo = Topology.from_specs(16, intra_gbytes=300, nic_gbytes=12.5, intra_us=3, nic_us=20, tflops=170)
+    nodes = nodes_of(range(32), 16)
+    sh = Shard(s=131072 // 32, b=1, hq=32, hkv=32, d=128, elt=2, acc=4)
+    times = {c: estimate(Layout(32, c), sh, nodes, topo) for c in (1, 2, 4)}
+    best = choose(32, sh, nodes, topo, "auto", "auto")
+    assert best.team_size > 1 and times[1] > min(times.values())
+    assert estimate(best, sh, nodes, topo) <= min(times.values())
+
+
+def test_estimate_is_compute_bound_on_one_fast_node():
+    """Eight GPUs on NVLink at 64K tokens: every C hides its hops behind compute, so all are close."""
+    topo = Topology.from_specs(8, intra_gbytes=450, nic_gbytes=400, tflops=400, rank_nic_gbytes=50)
+    nodes = [0] * 8
+    sh = Shard(s=65536 // 8, b=1, hq=32, hkv=8, d=128, elt=2, acc=4)
+    times = [estimate(Layout(8, c), sh, nodes, topo) for c in (1, 2)]
+    assert max(times) / min(times) < 1.1
+
+
+def test_choose_errors():
+    with pytest.raises(ValueError, match="placement='random' is not one of"):
+        choose(8, SHARD, [0] * 8, None, 2, "random")
+    with pytest.raises(ValueError, match="need a Topology"):
+        choose(8, SHARD, [0] * 8, None, "auto", "contiguous")
+    with pytest.raises(ValueError, match="tflops=0"):
+        Topology.from_specs(8, 1.0, 1.0, tflops=0)

@@ -12,11 +12,14 @@ capacity factor 1.25, fp32, 4 overlap chunks. Rows:
     parm deepspeed   ParmMoE, schedule "deepspeed": the order Parm was measured against (§2.1)
     parm s1 / s2     ParmMoE, Parm's schedules (§2.3, §2.4) with the chunked overlap (§2.6)
     parm auto        ParmMoE, "auto" (its one-off micro-benchmark runs in the warm-up)
+    compute only     the hardware limit of any schedule: the same gate, dispatch, sharded experts (same slots,
+                     FFN / tp columns) and combine on every rank, with no communication at all
 
-Each row: median over iterations of the slowest rank's time, bytes per rank per group from the ledger
-(DeepSpeed's collectives counted with commweave.comm.trace_torch_distributed), and the speed-up over
-DeepSpeed. Then the alpha-beta model's *projections* (not measurements) for two GPU clusters, and one
-JSON line of ratios. On gloo, DeepSpeed's tensor-parallel token gather needs a shim (design/traps.md).
+Each row: median over iterations (rows interleaved) of the slowest rank's time, bytes per rank per group
+from the ledger (DeepSpeed's collectives counted with commweave.comm.trace_torch_distributed), and the
+speed-up over DeepSpeed. Then the alpha-beta model's *projections* (not measurements) for two GPU
+clusters, and one JSON line of ratios. On gloo, DeepSpeed's tensor-parallel token gather needs a shim
+(design/traps.md).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class Config:
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ROWS = ("DeepSpeed MoE", "parm deepspeed", "parm s1", "parm s2", "parm auto")
+ROWS = ("DeepSpeed MoE", "parm deepspeed", "parm s1", "parm s2", "parm auto", "compute only")
 
 
 def _gloo_gather_tokens(input_, dim=0):
@@ -115,6 +118,21 @@ def _step(layer, x, go) -> None:
     ((out * go).sum() + l_aux).backward()
 
 
+def _compute_only(layer, x, go) -> None:
+    """An S2 layer's local work with its exchanges replaced by local reshapes of the same sizes."""
+    from ds_plugins import experts, routing
+    from ds_plugins._ds_dispatch import combine, dispatch
+
+    g, e = layer.parm_groups, layer.num_experts
+    r = routing.route(layer.gate, x)
+    buf = dispatch(x, r.indices, r.locations, e, r.capacity)                    # [E, C, M]
+    e_l, c, m = e // g.ep_size, r.capacity, x.shape[1]
+    h = buf.view(g.ep_size, e_l, c, m).transpose(0, 1).reshape(e_l, g.ep_size * c, m)
+    y = experts.partial_sums(layer.local_experts, h, g.esp_size)
+    y = y.view(e_l, g.ep_size, c, m).transpose(0, 1).reshape(e, c, m)
+    ((combine(y, r.indices, r.locations, r.gates) * go).sum() + r.l_aux).backward()
+
+
 _MPUS: dict[int, object] = {}
 
 
@@ -136,25 +154,28 @@ def _rank_bench(cfg: Config, rows: tuple[str, ...], iters: int, warmup: int) -> 
     dtype = DTYPES[cfg.dtype]
     x = torch.randn(cfg.tokens, cfg.hidden, dtype=dtype, requires_grad=True)
     go = torch.randn(cfg.tokens, cfg.hidden, dtype=dtype)
-    result = {}
-    for row in rows:
-        layer = _layer(row, cfg)
-        times = []
-        for i in range(warmup + iters):
+    layers = {row: _layer(row if row != "compute only" else "parm s2", cfg) for row in rows}
+    steps = {row: _compute_only if row == "compute only" else _step for row in rows}
+    times: dict[str, list[float]] = {row: [] for row in rows}
+    for i in range(warmup + iters):
+        for row in rows:  # rows interleaved, so that the machine's load drifts affect them alike
             comm.all_reduce(torch.zeros(1), world)
             t0 = time.perf_counter()
-            _step(layer, x, go)
+            steps[row](layers[row], x, go)
             t = torch.tensor([time.perf_counter() - t0])
             comm.all_reduce(t, world, op="max")
+            layers[row].zero_grad(set_to_none=True)
+            x.grad = None
             if i >= warmup:
-                times.append(t.item())
+                times[row].append(t.item() * 1e3)
+    result = {}
+    for row in rows:
         with ledger.recording() as led, comm.trace_torch_distributed():
-            _step(layer, x, go)
-        result[row] = {"ms": [t * 1e3 for t in times],
-                       "bytes": {key: v["sent"] for key, v in led.as_dict().items()},
-                       "schedule": getattr(layer, "last_schedule", None),
+            steps[row](layers[row], x, go)
+        layers[row].zero_grad(set_to_none=True)
+        result[row] = {"ms": times[row], "bytes": {key: v["sent"] for key, v in led.as_dict().items()},
+                       "schedule": getattr(layers[row], "last_schedule", None),
                        "predicted_ms": _predicted(cfg) if row == "parm auto" else {}}
-        del layer
     return result
 
 
@@ -162,7 +183,8 @@ def _layer_shape(cfg: Config):
     from ds_plugins.cost_model import LayerShape
 
     return LayerShape(tokens=cfg.tokens, hidden=cfg.hidden, ffn=cfg.ffn, experts=cfg.experts, k=cfg.k,
-                      capacity_factor=cfg.capacity_factor, mp=cfg.tp, ep=cfg.ep, esp=cfg.tp, chunks=cfg.chunks,
+                      capacity_factor=cfg.capacity_factor, mp=cfg.tp, ep=cfg.ep, esp=cfg.tp,
+                      chunks=cfg.chunks,
                       elem_bytes=DTYPES[cfg.dtype].itemsize)
 
 
@@ -200,11 +222,13 @@ def run_default(cfg: Config, iters: int, warmup: int) -> dict:
         other = sum(sent.values()) / 1e6 - sum(_group_mb(sent, g) for g in ("esp", "mp")) - \
             sent.get("all_to_all@ep", 0) / 1e6
         label = row if row != "parm auto" else f"parm auto ({r['schedule']})"
-        print(f"{label:<18}{med[row]:>13.1f}{base / med[row]:>10.2f}{sent.get('all_to_all@ep', 0) / 1e6:>11.2f}"
+        print(f"{label:<18}{med[row]:>13.1f}{base / med[row]:>10.2f}"
+              f"{sent.get('all_to_all@ep', 0) / 1e6:>11.2f}"
               f"{_group_mb(sent, 'esp'):>9.2f}{_group_mb(sent, 'mp'):>9.2f}{other:>10.2f}  "
               + " ".join(f"{t:.0f}" for t in r["ms"]))
     a2a = {row: r["bytes"].get("all_to_all@ep", 0) for row, r in res.items()}
-    print("\nPROJECTIONS (alpha-beta model, not measured): the same layer, MP = ESP = GPUs per node, EP = nodes")
+    print("\nPROJECTIONS (alpha-beta model, not measured): the same layer, MP = ESP = GPUs per node, "
+          "EP = nodes")
     projections = _print_projections(cfg)
     ratios = {
         "speedup_s1_vs_deepspeed_moe": base / med["parm s1"],
@@ -217,6 +241,7 @@ def run_default(cfg: Config, iters: int, warmup: int) -> dict:
         "projected_speedup_s2_vs_ds": projections,
         "load_avg": load_after,
     }
+    ratios["speedup_limit_compute_only_vs_deepspeed_moe"] = base / med["compute only"]
     print(json.dumps(ratios))
     return ratios
 
@@ -229,7 +254,8 @@ def _print_projections(cfg: Config) -> dict:
         sh = replace(_layer_shape(cfg), mp=cl.gpus_per_node, esp=cl.gpus_per_node, ep=cl.nodes)
         if sh.experts % sh.ep or sh.ffn % sh.esp:
             sh = replace(sh, experts=max(sh.experts, sh.ep))
-        t = {s: predict(s, sh, cluster_costs(cl, sh)).total * 1e3 for s in ("ds-installed", "deepspeed", "s1", "s2")}
+        t = {s: predict(s, sh, cluster_costs(cl, sh)).total * 1e3
+             for s in ("ds-installed", "deepspeed", "s1", "s2")}
         best = min(t["s1"], t["s2"])
         print(f"  {cl.name} (tp={sh.mp}, ep={sh.ep}, E={sh.experts}): " +
               ", ".join(f"{s} {v:.2f} ms" for s, v in t.items()) +

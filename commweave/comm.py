@@ -135,6 +135,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool 
                          f"{g} x {input.numel()}")
     n = _nbytes(input) * (g - 1)
     ledger.record("all_gather", group_name(group), n, n)
+    if _pairwise(group):
+        return _done(_pairwise_all_gather(_flat(output), input.contiguous().view(-1), group), async_op)
     return _all_gather(_flat(output), input.contiguous().view(-1), group=group, async_op=async_op)
 
 
@@ -148,8 +150,73 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, op: str = "
                          f"{g} x {output.numel()}")
     n = _nbytes(output) * (g - 1)
     ledger.record("reduce_scatter", group_name(group), n, n)
+    if op == "sum" and _pairwise(group):
+        return _done(_pairwise_reduce_scatter(_flat(output), input.contiguous().view(-1), group), async_op)
     return _reduce_scatter(_flat(output), input.contiguous().view(-1), op=_OPS[op], group=group,
                            async_op=async_op)
+
+
+class _Pending:
+    """The Work handle of a collective built from point-to-point exchanges; ``wait`` completes it."""
+
+    def __init__(self, works, finish=None) -> None:
+        self._works, self._finish = works, finish
+
+    def wait(self, timeout=None) -> bool:
+        for w in self._works:
+            w.wait()
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._finish is None and all(w.is_completed() for w in self._works)
+
+
+def _done(work: _Pending, async_op: bool):
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _pairwise(group) -> bool:
+    """gloo's all-gather and reduce-scatter run about 3x slower than the same exchange as point-to-point
+    messages (measured here: 21 MB on 2 ranks, 100 ms vs 35 ms), so on gloo they are built from send/recv,
+    as Parm's own SAA kernel builds its all-gather (parm.md §2.6). The ledger records them as collectives.
+    """
+    return dist.get_backend(group) == "gloo" and size(group) > 1
+
+
+def _exchange(group, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> list:
+    ops = []
+    for step in range(1, size(group)):  # step s: send to rank+s, receive from rank-s
+        me = rank(group)
+        to, frm = (me + step) % size(group), (me - step) % size(group)
+        ops.append(dist.P2POp(_isend, sends[to], global_rank(group, to), group))
+        ops.append(dist.P2POp(_irecv, recvs[frm], global_rank(group, frm), group))
+    return _batch_isend_irecv(ops)
+
+
+def _pairwise_all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> _Pending:
+    g, me = size(group), rank(group)
+    blocks = out.view(g, -1)
+    blocks[me].copy_(inp)
+    return _Pending(_exchange(group, dict.fromkeys(range(g), inp), {q: blocks[q] for q in range(g)}))
+
+
+def _pairwise_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> _Pending:
+    g, me = size(group), rank(group)
+    blocks = inp.view(g, -1)
+    received = inp.new_empty((g, out.numel()))
+
+    def finish() -> None:
+        received[me] = blocks[me]
+        torch.sum(received, dim=0, out=out)  # the g partial sums, added in rank order
+
+    works = _exchange(group, {q: blocks[q] for q in range(g)}, {q: received[q] for q in range(g)})
+    return _Pending(works, finish)
 
 
 def all_reduce(tensor: torch.Tensor, group, op: str = "sum", async_op: bool = False):

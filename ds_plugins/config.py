@@ -80,5 +80,6 @@ class ParmConfig:
             with open(config) as f:
                 config = json.load(f)
         if not isinstance(config, Mapping):
-            raise ValueError(f"DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}")
+            raise ValueError("DeepSpeed config must be a dict or a JSON file path, "
+                             f"got {type(config).__name__}")
         return cls.from_dict(config.get("parm", {}))

@@ -87,6 +87,8 @@ class Breakdown:
 
 def _wavefront(costs: OpCosts, chunks: int, stages: list[float]) -> float:
     stages = [t for t in stages if t > 0]
+    if not stages:
+        return 0.0
     total = 0.0
     for step in range(chunks + len(stages) - 1):
         active = [t for j, t in enumerate(stages) if 0 <= step - j < chunks]

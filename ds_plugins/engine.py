@@ -48,7 +48,8 @@ def check_moe(moe: MoE, world_size: int, tp: int) -> None:
 
 def swap_moe_layers(model: nn.Module, config: ParmConfig, world_size: int, tp: int) -> nn.Module:
     """Replace every DeepSpeed MoE in ``model`` by a ParmMoE; returns the model (itself, or its swap)."""
-    found = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE) and not isinstance(m, ParmMoE)]
+    found = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, MoE) and not isinstance(m, ParmMoE)]
     for _, moe in found:
         check_moe(moe, world_size, tp)
     for name, moe in found:
@@ -69,8 +70,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                    distributed_port=distributed_port, dist_init_required=dist_init_required)
         world = comm.size(torch.distributed.group.WORLD)
         model = swap_moe_layers(model, parm, world, bwc_tensor_model_parallel_world_size(mpu))
-    return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                training_data=training_data, lr_scheduler=lr_scheduler,
-                                distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
-                                collate_fn=collate_fn, config=config, mesh_param=mesh_param,
-                                config_params=config_params)
+    return deepspeed.initialize(args=args, model=model, optimizer=optimizer,
+                                model_parameters=model_parameters, training_data=training_data,
+                                lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
+                                dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                                mesh_param=mesh_param, config_params=config_params)

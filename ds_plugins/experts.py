@@ -36,7 +36,8 @@ def unsupported_reason(expert: nn.Module) -> str | None:
     if not isinstance(fc1, nn.Linear) or not isinstance(fc2, nn.Linear):
         return "its first and last modules must be nn.Linear"
     if not isinstance(act, ELEMENTWISE):
-        return f"its activation {type(act).__name__} is not one of the element-wise {[a.__name__ for a in ELEMENTWISE]}"
+        names = [a.__name__ for a in ELEMENTWISE]
+        return f"its activation {type(act).__name__} is not one of the element-wise {names}"
     if fc1.out_features != fc2.in_features or fc1.in_features != fc2.out_features:
         return f"its layers {fc1.in_features}->{fc1.out_features}->{fc2.out_features} do not form M->H->M"
     return None
@@ -51,7 +52,8 @@ def check_shardable(expert: nn.Module, esp_size: int) -> None:
         reason = f"its FFN size {expert[0].out_features} is not divisible by the ESP size {esp_size}"
     if reason is not None:
         raise ValueError(
-            f"expert {type(expert).__name__} cannot be sharded over ESP size {esp_size}: {reason}. Parm shards "
+            f"expert {type(expert).__name__} cannot be sharded over ESP size {esp_size}: {reason}. "
+            "Parm shards "
             "nn.Sequential(nn.Linear(M, H), <element-wise activation>, nn.Linear(H, M)) by columns and rows; "
             "for other experts set enable_expert_tensor_parallelism=False (ESP = 1)")
 
@@ -97,9 +99,11 @@ def _run(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def partial_sums(experts: nn.ModuleList, x: torch.Tensor, esp_size: int) -> torch.Tensor:
     """[E_l, T, M] -> [E_l, T, M]: each local expert on its T slots; partial sums over ESP when sharded."""
+    # unbind, not x[e]: the backward of e separate selects would zero-fill E_l full-size gradients
     if esp_size == 1:
-        return torch.stack([_run(expert, x[e]) for e, expert in enumerate(experts)])
-    return torch.stack([_mlp_partial(expert, x[e], esp_size) for e, expert in enumerate(experts)])
+        return torch.stack([_run(expert, xe) for xe, expert in zip(x.unbind(0), experts, strict=True)])
+    return torch.stack([_mlp_partial(expert, xe, esp_size)
+                        for xe, expert in zip(x.unbind(0), experts, strict=True)])
 
 
 def tensor_parallel(experts: nn.ModuleList, x: torch.Tensor, esp_group, esp_size: int) -> torch.Tensor:
@@ -107,9 +111,9 @@ def tensor_parallel(experts: nn.ModuleList, x: torch.Tensor, esp_group, esp_size
     if esp_size == 1:
         return partial_sums(experts, x, 1)
     outs = []
-    for e, expert in enumerate(experts):
+    for xe, expert in zip(x.unbind(0), experts, strict=True):
         fc1, act, fc2 = expert
-        y = collectives.reduce_from(F.linear(act(fc1(collectives.copy_to(x[e], esp_group))), fc2.weight),
+        y = collectives.reduce_from(F.linear(act(fc1(collectives.copy_to(xe, esp_group))), fc2.weight),
                                     esp_group)
         outs.append(y if fc2.bias is None else y + fc2.bias)
     return torch.stack(outs)

@@ -133,7 +133,8 @@ def _esp_clone(mp_group):
     ranks = tuple(dist.get_process_group_ranks(mp_group))
     n, world = len(ranks), dist.get_world_size()
     if ranks != tuple(range(ranks[0], ranks[0] + n)) or ranks[0] % n:
-        raise ValueError(f"Parm expert sharding needs tensor-parallel groups of consecutive ranks, got {ranks}")
+        raise ValueError("Parm expert sharding needs tensor-parallel groups of consecutive ranks, "
+                         f"got {ranks}")
     if ranks not in _ESP:
         for start in range(0, world, n):
             block = tuple(range(start, start + n))

@@ -41,11 +41,12 @@ class ParmMoE(MoE):
     otherwise ESP = 1 and any expert module works.
     """
 
-    def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
-                 capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
-                 use_residual: bool = False, noisy_gate_policy: str | None = None, drop_tokens: bool = True,
-                 use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
-                 top2_2nd_expert_sampling: bool = True, *, schedule: str = "auto", overlap_chunks: int = 4,
+    def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1,
+                 k: int = 1, capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0,
+                 min_capacity: int = 4, use_residual: bool = False, noisy_gate_policy: str | None = None,
+                 drop_tokens: bool = True, use_rts: bool = True, use_tutel: bool = False,
+                 enable_expert_tensor_parallelism: bool = False, top2_2nd_expert_sampling: bool = True, *,
+                 schedule: str = "auto", overlap_chunks: int = 4,
                  debug: bool = False, cost_cache: str | None = None) -> None:
         if ep_size < 1 or num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} must be divisible by ep_size={ep_size} "
@@ -104,8 +105,9 @@ class ParmMoE(MoE):
     def forward(self, hidden_states: torch.Tensor,
                 used_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.parm_groups is None:
-            raise RuntimeError("ParmMoE has no process groups yet: deepspeed.initialize (or ds_plugins.initialize) "
-                               "calls set_deepspeed_parallelism(); call it yourself when using the layer alone")
+            raise RuntimeError("ParmMoE has no process groups yet: deepspeed.initialize (or "
+                               "ds_plugins.initialize) calls set_deepspeed_parallelism(); call it yourself "
+                               "when using the layer alone")
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         schedule = self.schedule if self.schedule != "auto" else selector.choose(self, x)
         self.last_schedule = schedule

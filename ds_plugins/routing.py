@@ -83,7 +83,8 @@ def drop_capacity(gate: TopKGate, num_tokens: int) -> int:
     """The capacity DeepSpeed's gate gives ``num_tokens`` tokens in drop mode (``_capacity`` itself)."""
     k_factor = 1 if gate.k == 1 else gate.k
     shape = torch.empty((num_tokens, gate.wg.weight.shape[0]), device="meta")
-    return int(_capacity(shape, torch.tensor(_capacity_factor(gate) * k_factor), torch.tensor(gate.min_capacity)))
+    factor = torch.tensor(_capacity_factor(gate) * k_factor)
+    return int(_capacity(shape, factor, torch.tensor(gate.min_capacity)))
 
 
 def agree_capacity(capacity: int, groups_to_cover: list, device) -> int:
@@ -122,6 +123,6 @@ def check_consistent(r: Routes, mp_group) -> None:
     comm.all_gather(every, mine, mp_group)
     differ = [q for q in range(every.shape[0]) if not torch.equal(every[q], every[0])]
     if differ:
-        raise RuntimeError(f"parm S2: routing differs across MP ranks (ranks {differ} of the MP group disagree "
-                           "with rank 0): seed every MP rank's RNG identically before the MoE layer, or use "
-                           "schedule 's1'")
+        raise RuntimeError(f"parm S2: routing differs across MP ranks (ranks {differ} of the MP group "
+                           "disagree with rank 0): seed every MP rank's RNG identically before the MoE "
+                           "layer, or use schedule 's1'")

@@ -8,7 +8,7 @@ parameters are averaged over the world, so that every rank predicts the same tim
 schedule (a split decision would deadlock), then cached in this process and, when ``cost_cache`` names a
 file, in that JSON file (all ranks read it only if all of them have it).
 
-For each new layer shape the choice and both predicted times are logged once, on global rank 0.
+For each new layer shape the choice and both predicted times are printed once, by global rank 0.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from deepspeed.utils import log_dist
 
 from commweave import comm, cost
 from ds_plugins import cost_model
@@ -35,7 +34,8 @@ _decisions: dict[tuple, dict] = {}
 
 
 def layout_key(g) -> str:
-    return f"world{comm.size(dist.group.WORLD)}-mp{g.mp_size}-esp{g.esp_size}-ep{g.ep_size}-{dist.get_backend()}"
+    world = comm.size(dist.group.WORLD)
+    return f"world{world}-mp{g.mp_size}-esp{g.esp_size}-ep{g.ep_size}-{dist.get_backend()}"
 
 
 def _median_time(fn, group=None) -> float:
@@ -175,7 +175,8 @@ def layer_shape(layer, tokens: int, dtype: torch.dtype) -> LayerShape:
     g, gate = layer.parm_groups, layer.gate
     ffn = layer.local_experts[0][0].out_features * g.esp_size if g.esp_size > 1 else \
         _ffn_of(layer.local_experts[0], gate.wg.weight.shape[1])
-    return LayerShape(tokens=tokens, hidden=gate.wg.weight.shape[1], ffn=ffn, experts=layer.num_experts, k=gate.k,
+    return LayerShape(tokens=tokens, hidden=gate.wg.weight.shape[1], ffn=ffn, experts=layer.num_experts,
+                      k=gate.k,
                       capacity_factor=gate.capacity_factor if gate.training else gate.eval_capacity_factor,
                       mp=g.mp_size, ep=g.ep_size, esp=g.esp_size, chunks=layer.overlap_chunks,
                       elem_bytes=torch.empty((), dtype=dtype).element_size(), min_capacity=gate.min_capacity)
@@ -200,9 +201,11 @@ def choose(layer, x: torch.Tensor) -> str:
         t = {s: cost_model.predict(s, sh, costs).total for s in ("s1", "s2")}
         choice = min(t, key=t.get)
         _decisions[key] = {"choice": choice, "predicted_s": t}
-        log_dist(f"parm auto: {choice} for tokens={tokens} M={sh.hidden} H={sh.ffn} E={sh.experts} k={sh.k} "
-                 f"cf={sh.capacity_factor} mp={sh.mp} esp={sh.esp} ep={sh.ep}: predicted fwd+bwd "
-                 f"s1 {t['s1'] * 1e3:.2f} ms, s2 {t['s2'] * 1e3:.2f} ms", ranks=[0])
+        if dist.get_rank() == 0:
+            print(f"[parm] auto: {choice} for tokens={tokens} M={sh.hidden} H={sh.ffn} E={sh.experts} "
+                  f"k={sh.k} "
+                  f"cf={sh.capacity_factor} mp={sh.mp} esp={sh.esp} ep={sh.ep}: predicted forward+backward "
+                  f"s1 {t['s1'] * 1e3:.2f} ms, s2 {t['s2'] * 1e3:.2f} ms", flush=True)
     return _decisions[key]["choice"]
 
 

@@ -72,7 +72,7 @@ def mlp(m: int, h: int) -> nn.Sequential:
 
 
 class TensorParallelMLP(nn.Module):
-    """Megatron ParallelMLP as Megatron-DeepSpeed builds an expert: fc1 by columns, fc2 by rows + all-reduce."""
+    """Megatron's ParallelMLP as Megatron-DeepSpeed builds an expert: fc1 by columns, fc2 by rows, AR."""
 
     def __init__(self, m: int, h: int, tp: int) -> None:
         super().__init__()
@@ -140,7 +140,8 @@ def load_parm(layer, w: Weights) -> None:
 
 def tp_oracle(w: Weights, tp: int, ep: int, **moe_kwargs) -> MoE:
     m, h = w.w1.shape[2], w.w1.shape[1]
-    layer = MoE(m, TensorParallelMLP(m, h, tp) if tp > 1 else mlp(m, h), num_experts=w.w1.shape[0], ep_size=ep,
+    expert = TensorParallelMLP(m, h, tp) if tp > 1 else mlp(m, h)
+    layer = MoE(m, expert, num_experts=w.w1.shape[0], ep_size=ep,
                 enable_expert_tensor_parallelism=True, **moe_kwargs)
     layer.set_deepspeed_parallelism()
     ep_rank = groups._get_expert_parallel_rank(layer.expert_group_name)
@@ -160,8 +161,9 @@ def tp_oracle(w: Weights, tp: int, ep: int, **moe_kwargs) -> MoE:
 class LocalOracle(nn.Module):
     """DeepSpeed's MOELayer with all E unsharded experts in this process (no groups, no mpu)."""
 
-    def __init__(self, w: Weights, k: int = 1, capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0,
-                 min_capacity: int = 4, noisy_gate_policy=None, drop_tokens: bool = True, use_rts: bool = True,
+    def __init__(self, w: Weights, k: int = 1, capacity_factor: float = 1.0,
+                 eval_capacity_factor: float = 1.0, min_capacity: int = 4, noisy_gate_policy=None,
+                 drop_tokens: bool = True, use_rts: bool = True,
                  top2_2nd_expert_sampling: bool = True) -> None:
         super().__init__()
         e, h, m = w.w1.shape

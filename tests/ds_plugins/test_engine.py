@@ -24,7 +24,8 @@ class Net(nn.Module):
     def __init__(self, expert: nn.Module, ep: int, **moe_kwargs) -> None:
         super().__init__()
         self.inp, self.out = nn.Linear(M, M), nn.Linear(M, M)
-        self.moe = MoE(M, expert, num_experts=E, ep_size=ep, enable_expert_tensor_parallelism=True, **moe_kwargs)
+        self.moe = MoE(M, expert, num_experts=E, ep_size=ep, enable_expert_tensor_parallelism=True,
+                       **moe_kwargs)
 
     def forward(self, x, y):
         h = torch.tanh(self.inp(x))

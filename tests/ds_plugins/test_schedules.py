@@ -17,7 +17,15 @@ import torch.distributed as dist
 
 from commweave.ledger import recording
 from ds_plugins import ParmMoE
-from tests.ds_plugins.deepspeed_oracle import LocalOracle, Weights, load_parm, mlp, tp_oracle, tp_rank, use_layout
+from tests.ds_plugins.deepspeed_oracle import (
+    LocalOracle,
+    Weights,
+    load_parm,
+    mlp,
+    tp_oracle,
+    tp_rank,
+    use_layout,
+)
 
 S, M, H, E = 24, 8, 16, 8
 F32 = 4
@@ -60,7 +68,7 @@ def _run(layer, x, go):
 
 
 def _compare(tp: int, ep: int, shard: bool, case) -> dict:
-    name, schedule, k, drop, cf, sampling, chunks = case
+    _, schedule, k, drop, cf, sampling, chunks = case
     w = Weights.random(E, M, H)
     x, go = _inputs()
     kw = dict(k=k, capacity_factor=cf, eval_capacity_factor=cf, min_capacity=0, drop_tokens=drop,
@@ -167,7 +175,8 @@ def _ledger(tp: int, ep: int, shard: bool, tokens: int, k: int, cf: float, chunk
     return sent
 
 
-def _formula(schedule: str, tp: int, ep: int, shard: bool, tokens: int, k: int, cf: float, chunks: int) -> dict:
+def _formula(schedule: str, tp: int, ep: int, shard: bool, tokens: int, k: int, cf: float,
+             chunks: int) -> dict:
     """Bytes sent per rank in one forward + backward, parm.md §2 (forward) and §2.7 (backward)."""
     n, p, s, b = tp, ep, tp if shard else 1, F32
     out: dict[str, int] = {}

@@ -1,0 +1,56 @@
+"""The alpha-beta layer model: the wavefront formula, the volumes it charges, and its projections."""
+
+import pytest
+
+from commweave.cost import AlphaBeta
+from ds_plugins import cost_model
+from ds_plugins.cost_model import CLUSTERS, LayerShape, OpCosts, cluster_costs, predict
+
+SHAPE = LayerShape(tokens=4096, hidden=1024, ffn=4096, experts=8, k=2, capacity_factor=1.25, mp=2, ep=2,
+                   esp=2, chunks=4)
+
+
+def _only(op: str, overlap: float = 0.0, beta: float = 1.0) -> OpCosts:
+    """Every operation free except ``op`` at one unit per byte."""
+    return OpCosts({name: AlphaBeta(0.0, beta if name == op else 0.0) for name in cost_model.OPS}, overlap)
+
+
+def test_wavefront_is_the_saa_time_model():
+    # two stages a=1, b=3 per chunk, r=4: a + (r-1)·max(a, b) + b with perfect overlap, r·(a+b) serial
+    assert cost_model._wavefront(_only("gemm", 0.0), 4, [1.0, 3.0]) == 1 + 3 * 3 + 3
+    assert cost_model._wavefront(_only("gemm", 1.0), 4, [1.0, 3.0]) == 4 * (1 + 3)
+    assert cost_model._wavefront(_only("gemm", 0.0), 1, [1.0, 3.0]) == 4
+
+
+def test_s1_and_s2_charge_n_times_fewer_all_to_all_bytes():
+    a2a = _only("a2a@ep")
+    base = predict("deepspeed", SHAPE, a2a).total
+    for schedule in ("s1", "s2"):
+        assert base / predict(schedule, SHAPE, a2a).total == pytest.approx(SHAPE.mp)
+    assert predict("ds-installed", SHAPE, a2a).total == pytest.approx(base / SHAPE.mp)
+
+
+def test_mp_all_gather_volume_decides_between_s1_and_s2():
+    # S2 gathers k·f·S·M over MP, S1 S·M: with only that cost, S1 wins iff k·f > 1 (parm.md §2.5)
+    mp_only = _only("ag@mp")
+    big = predict("s2", SHAPE, mp_only).total / predict("s1", SHAPE, mp_only).total
+    assert big == pytest.approx(2 * 1.25, rel=0.01)
+    small = LayerShape(**{**SHAPE.__dict__, "k": 1, "capacity_factor": 0.5})
+    assert predict("s2", small, mp_only).total < predict("s1", small, mp_only).total
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS, ids=lambda c: c.name.split(":")[0])
+def test_cluster_projection_orders_the_schedules(cluster):
+    sh = LayerShape(**{**SHAPE.__dict__, "mp": cluster.gpus_per_node, "esp": cluster.gpus_per_node,
+                       "ep": cluster.nodes})
+    t = {s: predict(s, sh, cluster_costs(cluster, sh)).total
+         for s in ("ds-installed", "deepspeed", "s1", "s2")}
+    assert all(v > 0 for v in t.values())
+    assert min(t["s1"], t["s2"]) < t["deepspeed"]  # the A2A of V instead of V/N dominates baseline A
+
+
+def test_costs_must_cover_every_operation():
+    with pytest.raises(ValueError, match="missing"):
+        OpCosts({"gemm": AlphaBeta(0, 1)})
+    with pytest.raises(ValueError, match="overlap inefficiency"):
+        OpCosts({name: AlphaBeta(0, 1) for name in cost_model.OPS}, overlap=1.5)

@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 
 from commweave import comm, cost
 from ds_plugins import cost_model
@@ -38,89 +39,94 @@ def layout_key(g) -> str:
     return f"world{world}-mp{g.mp_size}-esp{g.esp_size}-ep{g.ep_size}-{dist.get_backend()}"
 
 
-def _median_time(fn, group=None) -> float:
-    """Median wall time of ``fn``; with a group, its ranks line up (a one-element all-reduce) first."""
-    times = []
-    for _ in range(REPEATS):
-        if group is not None:
-            comm.all_reduce(torch.zeros(1), group)
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _call(kind: str, group, x: torch.Tensor):
+    """(a call of collective ``kind`` on ``x``, the bytes n it is modelled on)."""
+    g, n = comm.size(group), x.numel() * x.element_size()
+    if kind == "a2a":
+        out = torch.empty_like(x)
+        return (lambda: comm.all_to_all(out, x, group)), n
+    if kind == "ag":
+        out = x.new_empty(g * x.numel())
+        return (lambda: comm.all_gather(out, x, group)), g * n
+    if kind == "rs":
+        out = x.new_empty(x.numel() // g)
+        return (lambda: comm.reduce_scatter(out, x, group)), n
+    return (lambda: comm.all_reduce(x, group)), n
 
 
-def _collective(name: str, g):
-    """(group, fn(n_elements) -> timed callable, bytes(n)) for one of the modelled collectives."""
-    group = {"ep": g.ep, "esp": g.esp, "mp": g.mp}[name.split("@")[1]]
-    size = comm.size(group)
-    kind = name.split("@")[0]
+class _Bench:
+    """Micro-benchmarks on the device the layer runs on (CUDA work is synchronised before each clock read)."""
 
-    def make(n: int):
-        x = torch.randn(n)
-        if kind == "a2a":
-            out = torch.empty_like(x)
-            return lambda: comm.all_to_all(out, x, group), n * 4
-        if kind == "ag":
-            out = torch.empty(size * n)
-            return lambda: comm.all_gather(out, x, group), size * n * 4
-        if kind == "rs":
-            out = torch.empty(n // size)
-            return lambda: comm.reduce_scatter(out, x, group), n * 4
-        return lambda: comm.all_reduce(x, group), n * 4
-    return group, make
+    def __init__(self, g, device: torch.device) -> None:
+        self.g, self.device = g, device
 
+    def _sync(self) -> None:
+        if self.device.type != "cpu":
+            get_accelerator().synchronize()
 
-def _fit_op(name: str, g) -> cost.AlphaBeta:
-    group, make = _collective(name, g)
-    if group is None:
-        return cost.AlphaBeta(0.0, 0.0)
-    sizes, times = [], []
-    for n in SIZES:
-        fn, nbytes = make(n)
-        sizes.append(nbytes)
-        times.append(_median_time(fn, group))
-    return cost.fit(sizes, times).model
+    def time(self, fn, group=None) -> float:
+        """Median wall time of ``fn``; with a group, its ranks line up (a one-element all-reduce) first."""
+        times = []
+        for _ in range(REPEATS):
+            if group is not None:
+                comm.all_reduce(torch.zeros(1, device=self.device), group)
+            self._sync()
+            t0 = time.perf_counter()
+            fn()
+            self._sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
 
+    def collective(self, name: str) -> cost.AlphaBeta:
+        """α-β of one modelled collective ("a2a@ep", "ag@esp", ...) on n bytes (the ledger's n)."""
+        kind, group_key = name.split("@")
+        group = {"ep": self.g.ep, "esp": self.g.esp, "mp": self.g.mp}[group_key]
+        if group is None:
+            return cost.AlphaBeta(0.0, 0.0)
+        sizes, times = [], []
+        for n in SIZES:
+            fn, nbytes = _call(kind, group, torch.randn(n, device=self.device))
+            sizes.append(nbytes)
+            times.append(self.time(fn, group))
+        return cost.fit(sizes, times).model
 
-def _overlap(g, a2a: cost.AlphaBeta, ag: cost.AlphaBeta) -> float:
-    """γ from an A2A on EP and an AG on ESP (or MP) of the largest size, alone (fitted) and together."""
-    second = g.esp if g.esp is not None else g.mp
-    if g.ep is None or second is None:
-        return 0.0
-    n = SIZES[-1]
-    x, y = torch.randn(n), torch.empty(n)
-    gathered = torch.empty(comm.size(second) * n)
+    def overlap(self, a2a: cost.AlphaBeta, ag: cost.AlphaBeta) -> float:
+        """γ from an A2A on EP and an AG on ESP (or MP) of the largest size, alone (fitted) and together."""
+        second = self.g.esp if self.g.esp is not None else self.g.mp
+        if self.g.ep is None or second is None:
+            return 0.0
+        n = SIZES[-1]
+        x, y = torch.randn(n, device=self.device), torch.empty(n, device=self.device)
+        gathered = torch.empty(comm.size(second) * n, device=self.device)
 
-    def both():
-        comm.wait_all([comm.all_to_all(y, x, g.ep, async_op=True),
-                       comm.all_gather(gathered, x, second, async_op=True)])
-    t_a, t_b = a2a(4 * n), ag(4 * n * comm.size(second))
-    gamma = (_median_time(both, dist.group.WORLD) - max(t_a, t_b)) / max(min(t_a, t_b), 1e-9)
-    return min(max(gamma, 0.0), 1.0)
+        def both():
+            comm.wait_all([comm.all_to_all(y, x, self.g.ep, async_op=True),
+                           comm.all_gather(gathered, x, second, async_op=True)])
+        t_a, t_b = a2a(4 * n), ag(4 * n * comm.size(second))
+        gamma = (self.time(both, dist.group.WORLD) - max(t_a, t_b)) / max(min(t_a, t_b), 1e-9)
+        return min(max(gamma, 0.0), 1.0)
 
+    def local(self) -> tuple[cost.AlphaBeta, cost.AlphaBeta]:
+        """GEMM (seconds per flop) and gather (seconds per byte) on this rank."""
+        flops, gemm_t, nbytes, mem_t = [], [], [], []
+        w = torch.randn(512, 512, device=self.device)
+        for rows in (256, 1024, 2048):
+            x = torch.randn(rows, 512, device=self.device)
+            flops.append(2 * rows * 512 * 512)
+            gemm_t.append(self.time(lambda x=x: x @ w))
+        for n in (1 << 16, 1 << 19, 1 << 21):
+            src = torch.randn(n // 256, 256, device=self.device)
+            idx = torch.randperm(n // 256, device=self.device)
+            nbytes.append(n * 4)
+            mem_t.append(self.time(lambda src=src, idx=idx: src.index_select(0, idx)))
+        return cost.fit(flops, gemm_t).model, cost.fit(nbytes, mem_t).model
 
-def _fit_local() -> tuple[cost.AlphaBeta, cost.AlphaBeta]:
-    """GEMM (seconds per flop) and gather (seconds per byte) on this rank."""
-    flops, gemm_t, nbytes, mem_t = [], [], [], []
-    w = torch.randn(512, 512)
-    for rows in (256, 1024, 2048):
-        x = torch.randn(rows, 512)
-        flops.append(2 * rows * 512 * 512)
-        gemm_t.append(_median_time(lambda x=x: x @ w))
-    for n in (1 << 16, 1 << 19, 1 << 21):
-        src = torch.randn(n // 256, 256)
-        idx = torch.randperm(n // 256)
-        nbytes.append(n * 4)
-        mem_t.append(_median_time(lambda src=src, idx=idx: src.index_select(0, idx)))
-    return cost.fit(flops, gemm_t).model, cost.fit(nbytes, mem_t).model
-
-
-def _measure(g) -> OpCosts:
-    ops = {name: _fit_op(name, g) for name in ("a2a@ep", "ag@esp", "rs@esp", "ag@mp", "ar@mp")}
-    ops["ar@esp"] = ops["ar@mp"]
-    ops["gemm"], ops["mem"] = _fit_local()
-    return OpCosts(ops, _overlap(g, ops["a2a@ep"], ops["ag@esp"] if g.esp is not None else ops["ag@mp"]))
+    def measure(self) -> OpCosts:
+        ops = {name: self.collective(name) for name in ("a2a@ep", "ag@esp", "rs@esp", "ag@mp", "ar@mp")}
+        ops["ar@esp"] = ops["ar@mp"]
+        ops["gemm"], ops["mem"] = self.local()
+        second = ops["ag@esp"] if self.g.esp is not None else ops["ag@mp"]
+        return OpCosts(ops, self.overlap(ops["a2a@ep"], second))
 
 
 def _to_tensor(c: OpCosts) -> torch.Tensor:
@@ -152,20 +158,21 @@ def _write_cache(path: str, key: str, c: OpCosts) -> None:
         json.dump(data, f, indent=1)
 
 
-def fitted_costs(g, cache_file: str | None = None) -> OpCosts:
+def fitted_costs(g, cache_file: str | None = None, device: torch.device | None = None) -> OpCosts:
     """The layout's fitted costs: from this process, else the JSON cache, else measured (collective)."""
+    device = torch.device("cpu") if device is None else device
     key = layout_key(g)
     if key in _fitted:
         return _fitted[key]
     cached = _read_cache(cache_file, key)
-    have = torch.tensor([0 if cached is None else 1])
+    have = torch.tensor([0 if cached is None else 1], device=device)
     comm.all_reduce(have, dist.group.WORLD, op="min")
     if have.item():
         _fitted[key] = cached
         return cached
-    params = _to_tensor(_measure(g))
+    params = _to_tensor(_Bench(g, device).measure()).to(device)
     comm.all_reduce(params, dist.group.WORLD)
-    _fitted[key] = _from_tensor(params / comm.size(dist.group.WORLD))
+    _fitted[key] = _from_tensor(params.cpu() / comm.size(dist.group.WORLD))
     if cache_file is not None and dist.get_rank() == 0:
         _write_cache(cache_file, key, _fitted[key])
     return _fitted[key]
@@ -197,7 +204,7 @@ def choose(layer, x: torch.Tensor) -> str:
     sh = layer_shape(layer, tokens, x.dtype)
     key = (layout_key(g), sh)
     if key not in _decisions:
-        costs = fitted_costs(g, layer.cost_cache)
+        costs = fitted_costs(g, layer.cost_cache, x.device)
         t = {s: cost_model.predict(s, sh, costs).total for s in ("s1", "s2")}
         choice = min(t, key=t.get)
         _decisions[key] = {"choice": choice, "predicted_s": t}

@@ -157,23 +157,28 @@ def _rank_bench(cfg: Config, rows: tuple[str, ...], iters: int, warmup: int) -> 
     layers = {row: _layer(row if row != "compute only" else "parm s2", cfg) for row in rows}
     steps = {row: _compute_only if row == "compute only" else _step for row in rows}
     times: dict[str, list[float]] = {row: [] for row in rows}
+    cpu: dict[str, list[float]] = {row: [] for row in rows}
     for i in range(warmup + iters):
         for row in rows:  # rows interleaved, so that the machine's load drifts affect them alike
             comm.all_reduce(torch.zeros(1), world)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             steps[row](layers[row], x, go)
-            t = torch.tensor([time.perf_counter() - t0])
-            comm.all_reduce(t, world, op="max")
+            wall = torch.tensor([time.perf_counter() - t0])
+            work = torch.tensor([time.process_time() - c0])  # this rank's CPU seconds, all its threads
+            comm.all_reduce(wall, world, op="max")
+            comm.all_reduce(work, world)
             layers[row].zero_grad(set_to_none=True)
             x.grad = None
             if i >= warmup:
-                times[row].append(t.item() * 1e3)
+                times[row].append(wall.item() * 1e3)
+                cpu[row].append(work.item() * 1e3)
     result = {}
     for row in rows:
         with ledger.recording() as led, comm.trace_torch_distributed():
             steps[row](layers[row], x, go)
         layers[row].zero_grad(set_to_none=True)
-        result[row] = {"ms": times[row], "bytes": {key: v["sent"] for key, v in led.as_dict().items()},
+        result[row] = {"ms": times[row], "cpu_ms": cpu[row],
+                       "bytes": {key: v["sent"] for key, v in led.as_dict().items()},
                        "schedule": getattr(layers[row], "last_schedule", None),
                        "predicted_ms": _predicted(cfg) if row == "parm auto" else {}}
     return result
@@ -212,20 +217,24 @@ def run_default(cfg: Config, iters: int, warmup: int) -> dict:
         res = world.run(_rank_bench, cfg, ROWS, iters, warmup, timeout=3600)[0]
     load_after = _load()
     med = {row: statistics.median(r["ms"]) for row, r in res.items()}
+    cpu = {row: statistics.median(r["cpu_ms"]) for row, r in res.items()}
     base = med["DeepSpeed MoE"]
+    paired = {row: statistics.median(d / t for d, t in zip(res["DeepSpeed MoE"]["ms"], r["ms"], strict=True))
+              for row, r in res.items()}
     print(f"\nMoE layer fwd+bwd, {cfg.ranks} gloo ranks on {os.cpu_count()} cores, config {asdict(cfg)}")
-    print(f"load average before {load_before}, after {load_after}\n")
-    print(f"{'row':<18}{'ms (median)':>13}{'speed-up':>10}{'A2A ep MB':>11}{'ESP MB':>9}{'MP MB':>9}"
-          f"{'other MB':>10}  iterations (ms)")
+    print(f"load average before {load_before}, after {load_after}")
+    print("wall: slowest rank, median of the iterations; paired: median of per-iteration DeepSpeed/row "
+          "ratios (rows interleaved); CPU: all ranks' CPU seconds (every thread), median\n")
+    print(f"{'row':<18}{'wall ms':>9}{'speed-up':>9}{'paired':>8}{'CPU s':>8}{'CPU x':>7}{'A2A ep MB':>10}"
+          f"{'ESP MB':>8}{'MP MB':>8}{'other MB':>9}  wall per iteration (ms)")
     for row, r in res.items():
         sent = r["bytes"]
-        other = sum(sent.values()) / 1e6 - sum(_group_mb(sent, g) for g in ("esp", "mp")) - \
-            sent.get("all_to_all@ep", 0) / 1e6
+        a2a_ep = sent.get("all_to_all@ep", 0) / 1e6
+        other = sum(sent.values()) / 1e6 - sum(_group_mb(sent, g) for g in ("esp", "mp")) - a2a_ep
         label = row if row != "parm auto" else f"parm auto ({r['schedule']})"
-        print(f"{label:<18}{med[row]:>13.1f}{base / med[row]:>10.2f}"
-              f"{sent.get('all_to_all@ep', 0) / 1e6:>11.2f}"
-              f"{_group_mb(sent, 'esp'):>9.2f}{_group_mb(sent, 'mp'):>9.2f}{other:>10.2f}  "
-              + " ".join(f"{t:.0f}" for t in r["ms"]))
+        print(f"{label:<18}{med[row]:>9.0f}{base / med[row]:>9.2f}{paired[row]:>8.2f}{cpu[row] / 1e3:>8.2f}"
+              f"{cpu['DeepSpeed MoE'] / cpu[row]:>7.2f}{a2a_ep:>10.2f}{_group_mb(sent, 'esp'):>8.2f}"
+              f"{_group_mb(sent, 'mp'):>8.2f}{other:>9.2f}  " + " ".join(f"{t:.0f}" for t in r["ms"]))
     a2a = {row: r["bytes"].get("all_to_all@ep", 0) for row, r in res.items()}
     print("\nPROJECTIONS (alpha-beta model, not measured): the same layer, MP = ESP = GPUs per node, "
           "EP = nodes")
@@ -234,6 +243,9 @@ def run_default(cfg: Config, iters: int, warmup: int) -> dict:
         "speedup_s1_vs_deepspeed_moe": base / med["parm s1"],
         "speedup_s2_vs_deepspeed_moe": base / med["parm s2"],
         "speedup_auto_vs_deepspeed_moe": base / med["parm auto"],
+        "paired_speedup_s1": paired["parm s1"], "paired_speedup_s2": paired["parm s2"],
+        "cpu_speedup_s1": cpu["DeepSpeed MoE"] / cpu["parm s1"],
+        "cpu_speedup_s2": cpu["DeepSpeed MoE"] / cpu["parm s2"],
         "auto_schedule": res["parm auto"]["schedule"],
         "a2a_bytes_parm_deepspeed_over_s1": a2a["parm deepspeed"] / a2a["parm s1"],
         "a2a_bytes_parm_deepspeed_over_s2": a2a["parm deepspeed"] / a2a["parm s2"],
@@ -268,31 +280,50 @@ def _print_projections(cfg: Config) -> dict:
 GRID_BASE = Config(tokens=2048, hidden=1024, ffn=1024, chunks=4)
 
 
+TIE = 0.05
+"""Measured S1 and S2 times closer than this (relative) are a tie: either pick is right."""
+
+
 def grid_configs() -> list[Config]:
-    """16 layer configs on 4 ranks: (tp, ep) x k x capacity factor x FFN size."""
+    """16 layer configs on 4 ranks: (tp, ep) x (k, capacity factor), k·f from 0.25 to 4, x FFN size."""
     return [replace(GRID_BASE, tp=tp, ep=ep, k=k, capacity_factor=cf, ffn=ffn)
-            for tp, ep in ((2, 2), (4, 1)) for k in (1, 2) for cf in (0.5, 2.0) for ffn in (256, 1024)]
+            for tp, ep in ((2, 2), (4, 1)) for k, cf in ((1, 0.25), (1, 1.0), (2, 1.25), (2, 2.0))
+            for ffn in (256, 1024)]
 
 
 def run_grid(iters: int, warmup: int) -> dict:
+    """S1 and S2 timed side by side (interleaved) per config; "auto" is judged on the paired ratio, the
+    median over iterations of s1_i / s2_i, which cancels most of the machine's load drift."""
     rows = ("parm s1", "parm s2", "parm auto")
     print(f"\nS1 vs S2 vs auto over {len(grid_configs())} configs, 4 gloo ranks; load average {_load()}")
-    print(f"{'tp':>3}{'ep':>3}{'k':>3}{'cf':>5}{'FFN':>6}{'s1 ms':>9}{'s2 ms':>9}{'faster':>8}{'auto':>6}"
-          f"{'pred s1':>9}{'pred s2':>9}  ok")
-    hits, results = 0, []
+    print(f"{'tp':>3}{'ep':>3}{'k':>3}{'cf':>5}{'FFN':>6}{'s1 ms':>8}{'s2 ms':>8}{'s1/s2':>7}"
+          f"{'CPU s1/s2':>10}"
+          f"{'faster':>7}{'auto':>5}{'pred s1':>9}{'pred s2':>9}  auto right? (tie: within {TIE:.0%})")
+    hits, ties, regrets, results = 0, 0, [], []
     with World(4, timeout=3600) as world:
         for cfg in grid_configs():
             res = world.run(_rank_bench, cfg, rows, iters, warmup, timeout=3600)[0]
             pred = res["parm auto"]["predicted_ms"]
-            s1, s2 = statistics.median(res["parm s1"]["ms"]), statistics.median(res["parm s2"]["ms"])
-            faster, auto = ("s1" if s1 <= s2 else "s2"), res["parm auto"]["schedule"]
+            s1, s2 = (statistics.median(res[r]["ms"]) for r in ("parm s1", "parm s2"))
+            pairs = zip(res["parm s1"]["ms"], res["parm s2"]["ms"], strict=True)
+            ratio = statistics.median(a / b for a, b in pairs)
+            cpu = statistics.median(res["parm s1"]["cpu_ms"]) / statistics.median(res["parm s2"]["cpu_ms"])
+            faster, auto = ("s1" if ratio <= 1 else "s2"), res["parm auto"]["schedule"]
+            tie = abs(ratio - 1) <= TIE
             hits += faster == auto
-            results.append({"config": asdict(cfg), "s1_ms": s1, "s2_ms": s2, "auto": auto, "predicted": pred})
-            print(f"{cfg.tp:>3}{cfg.ep:>3}{cfg.k:>3}{cfg.capacity_factor:>5}{cfg.ffn:>6}{s1:>9.1f}{s2:>9.1f}"
-                  f"{faster:>8}{auto:>6}{pred.get('s1', 0):>9.1f}{pred.get('s2', 0):>9.1f}  "
-                  f"{'yes' if faster == auto else 'NO'}")
+            ties += faster != auto and tie
+            regrets.append(max(ratio, 1 / ratio) - 1 if faster != auto else 0.0)
+            results.append({"config": asdict(cfg), "s1_ms": s1, "s2_ms": s2, "s1_over_s2": ratio,
+                            "auto": auto, "predicted": pred})
+            print(f"{cfg.tp:>3}{cfg.ep:>3}{cfg.k:>3}{cfg.capacity_factor:>5}{cfg.ffn:>6}{s1:>8.0f}{s2:>8.0f}"
+                  f"{ratio:>7.2f}{cpu:>10.2f}{faster:>7}{auto:>5}"
+                  f"{pred.get('s1', 0):>9.1f}{pred.get('s2', 0):>9.1f}"
+                  f"  {'yes' if faster == auto else 'tie' if tie else 'NO'}")
     summary = {"grid_configs": len(results), "auto_picked_faster": hits,
-               "auto_picked_faster_fraction": hits / len(results), "load_avg": _load()}
+               "auto_picked_faster_fraction": hits / len(results),
+               "auto_picked_faster_or_tie_fraction": (hits + ties) / len(results), "tie_band": TIE,
+               "auto_mean_regret": statistics.mean(regrets), "auto_max_regret": max(regrets),
+               "load_avg": _load()}
     print(json.dumps(summary))
     return summary
 

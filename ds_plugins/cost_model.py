@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from commweave import cost
 from commweave.cost import AlphaBeta
 
-OPS = ("a2a@ep", "ag@esp", "rs@esp", "ar@esp", "ag@mp", "ar@mp", "gemm", "mem")
+OPS = ("a2a@ep", "ag@esp", "rs@esp", "ar@esp", "ag@mp", "ar@mp", "gemm", "mem", "route")
+"""Collectives on n bytes; "gemm" on n flops; "mem" a strided copy of n bytes; "route" dispatch + combine,
+forward and backward, on n = (k·S + E·C)·M·b bytes: the token side (k routes of S tokens) plus the buffer."""
 
 
 @dataclass(frozen=True)
@@ -101,9 +103,14 @@ def _pad(c: int, multiple: int) -> int:
 
 
 def _gate(costs: OpCosts, sh: LayerShape, tokens: int) -> float:
-    """Gate GEMM forward + backward (3 GEMMs) and its element-wise work on [tokens, E] (about 30 passes)."""
+    """Gate GEMM forward + backward (3 GEMMs) and its element-wise work on [tokens, E] (about 60 passes:
+    softmax, top-k, one-hot masks, cumulative sums, capacity selection, and their backwards)."""
     return (3 * costs("gemm", 2 * tokens * sh.hidden * sh.experts)
-            + 3 * costs("mem", 30 * tokens * sh.experts * 4))
+            + costs("mem", 60 * tokens * sh.experts * 4))
+
+
+def _route(costs: OpCosts, sh: LayerShape, tokens: int, capacity: int) -> float:
+    return costs("route", (sh.k * tokens + sh.experts * capacity) * sh.hidden * sh.elem_bytes)
 
 
 def _experts(costs: OpCosts, sh: LayerShape, slots_per_expert: int) -> float:
@@ -136,11 +143,12 @@ def predict(schedule: str, sh: LayerShape, costs: OpCosts) -> Breakdown:
         cb = _pad(c1, chunks)
         v = e * cb * m * b
         out.add("gate", _gate(costs, sh, mine))
-        out.add("dispatch+combine", 4 * costs("mem", v))
+        out.add("dispatch+combine", _route(costs, sh, mine, cb))
         out.add("exchanges", _exchanges(costs, sh, v, chunks, mp_split=False))
         out.add("experts", _experts(costs, sh, s * p * cb))
         if n > 1:
-            out.add("mp", 2 * costs("ag@mp", n * mine * m * b) + costs("ar@mp", 3 * e * 4)
+            rows = n * mine * m * b                      # the MP all-gather of S·M (padded blocks)
+            out.add("mp", 2 * costs("ag@mp", rows) + 4 * costs("mem", rows) + costs("ar@mp", 3 * e * 4)
                     + costs("ar@mp", e * m * 4))
         return out
     c = sh.capacity(sh.tokens)
@@ -149,12 +157,12 @@ def predict(schedule: str, sh: LayerShape, costs: OpCosts) -> Breakdown:
         chunks = max(1, min(sh.chunks, math.ceil(c / n)))
         cb = _pad(c, n * chunks)
         v = e * cb * m * b
-        out.add("dispatch+combine", 4 * costs("mem", v))
+        out.add("dispatch+combine", _route(costs, sh, sh.tokens, cb))
         out.add("exchanges", _exchanges(costs, sh, v, chunks, mp_split=True))
         out.add("experts", _experts(costs, sh, s * p * cb // n))
         return out
     v = e * c * m * b
-    out.add("dispatch+combine", 4 * costs("mem", v))
+    out.add("dispatch+combine", _route(costs, sh, sh.tokens, c))
     if schedule == "deepspeed":
         out.add("a2a", 4 * costs("a2a@ep", v) if p > 1 else 0.0)
         out.add("experts", _experts(costs, sh, p * c))
@@ -201,6 +209,7 @@ def cluster_costs(cl: Cluster, sh: LayerShape) -> OpCosts:
         "ar@mp": _linear(cost.all_reduce, cl.intra, sh.mp),
         "gemm": AlphaBeta(5e-6, 1 / cl.flops_per_s),
         "mem": AlphaBeta(3e-6, 2 / cl.mem_bytes_per_s),   # read + write
+        "route": AlphaBeta(20e-6, 8 / cl.mem_bytes_per_s),  # encode, decode and their backwards
     }, overlap=cl.overlap)
 
 

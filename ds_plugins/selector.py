@@ -24,6 +24,7 @@ from deepspeed.accelerator import get_accelerator
 
 from commweave import comm, cost
 from ds_plugins import cost_model
+from ds_plugins._ds_dispatch import combine, dispatch
 from ds_plugins.cost_model import LayerShape, OpCosts
 
 SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 21)
@@ -44,14 +45,30 @@ def _call(kind: str, group, x: torch.Tensor):
     g, n = comm.size(group), x.numel() * x.element_size()
     if kind == "a2a":
         out = torch.empty_like(x)
-        return (lambda: comm.all_to_all(out, x, group)), n
+        return (lambda async_op=False: comm.all_to_all(out, x, group, async_op=async_op)), n
     if kind == "ag":
         out = x.new_empty(g * x.numel())
-        return (lambda: comm.all_gather(out, x, group)), g * n
+        return (lambda async_op=False: comm.all_gather(out, x, group, async_op=async_op)), g * n
     if kind == "rs":
         out = x.new_empty(x.numel() // g)
-        return (lambda: comm.reduce_scatter(out, x, group)), n
-    return (lambda: comm.all_reduce(x, group)), n
+        return (lambda async_op=False: comm.reduce_scatter(out, x, group, async_op=async_op)), n
+    return (lambda async_op=False: comm.all_reduce(x, group, async_op=async_op)), n
+
+
+def _route_step(tokens: int, device: torch.device, hidden: int = 512, experts: int = 8, k: int = 2):
+    """(dispatch + combine forward and backward of ``tokens`` top-k routes, its n bytes: (k·S + E·C)·M·4)."""
+    per_route = -(-tokens // experts)
+    capacity = k * per_route
+    x = torch.randn(tokens, hidden, device=device, requires_grad=True)
+    t, j = torch.arange(tokens, device=device), torch.arange(k, device=device)[:, None]
+    indices = ((t + j) % experts).int()                    # route j of token t: expert t + j, each slot once
+    locations = (j * per_route + t // experts).int()
+    gates = torch.rand(k, tokens, device=device)
+
+    def step() -> None:
+        buf = dispatch(x, indices, locations, experts, capacity)
+        combine(buf, indices, locations, gates).sum().backward()
+    return step, (k * tokens + experts * capacity) * hidden * 4
 
 
 class _Bench:
@@ -90,43 +107,48 @@ class _Bench:
             times.append(self.time(fn, group))
         return cost.fit(sizes, times).model
 
-    def overlap(self, a2a: cost.AlphaBeta, ag: cost.AlphaBeta) -> float:
-        """γ from an A2A on EP and an AG on ESP (or MP) of the largest size, alone (fitted) and together."""
-        second = self.g.esp if self.g.esp is not None else self.g.mp
-        if self.g.ep is None or second is None:
+    def overlap(self, ops: dict[str, cost.AlphaBeta]) -> float:
+        """γ from two collectives the exchanges overlap, alone (fitted) and together, at the largest size:
+        A2A on EP with AG on ESP, or without EP, RS on ESP with AG on MP (S2's combine chain)."""
+        pairs = [("a2a@ep", "ag@esp"), ("a2a@ep", "ag@mp"), ("rs@esp", "ag@mp")]
+        groups = {"ep": self.g.ep, "esp": self.g.esp, "mp": self.g.mp}
+        live = [p for p in pairs if all(groups[name.split("@")[1]] is not None for name in p)]
+        if not live:
             return 0.0
-        n = SIZES[-1]
-        x, y = torch.randn(n, device=self.device), torch.empty(n, device=self.device)
-        gathered = torch.empty(comm.size(second) * n, device=self.device)
+        x = torch.randn(SIZES[-1], device=self.device)
+        calls = [_call(name.split("@")[0], groups[name.split("@")[1]], x) for name in live[0]]
+        first, second = (fn for fn, _ in calls)
+        alone = [ops[name](n) for name, (_, n) in zip(live[0], calls, strict=True)]
 
         def both():
-            comm.wait_all([comm.all_to_all(y, x, self.g.ep, async_op=True),
-                           comm.all_gather(gathered, x, second, async_op=True)])
-        t_a, t_b = a2a(4 * n), ag(4 * n * comm.size(second))
-        gamma = (self.time(both, dist.group.WORLD) - max(t_a, t_b)) / max(min(t_a, t_b), 1e-9)
+            comm.wait_all([first(async_op=True), second(async_op=True)])
+        gamma = (self.time(both, dist.group.WORLD) - max(alone)) / max(min(alone), 1e-9)
         return min(max(gamma, 0.0), 1.0)
 
-    def local(self) -> tuple[cost.AlphaBeta, cost.AlphaBeta]:
-        """GEMM (seconds per flop) and gather (seconds per byte) on this rank."""
-        flops, gemm_t, nbytes, mem_t = [], [], [], []
+    def local(self) -> dict[str, cost.AlphaBeta]:
+        """GEMM (per flop), strided copy (per byte) and dispatch + combine (per buffer byte) on this rank."""
+        flops, gemm_t, nbytes, mem_t, buf_bytes, route_t = [], [], [], [], [], []
         w = torch.randn(512, 512, device=self.device)
         for rows in (256, 1024, 2048):
             x = torch.randn(rows, 512, device=self.device)
             flops.append(2 * rows * 512 * 512)
             gemm_t.append(self.time(lambda x=x: x @ w))
         for n in (1 << 16, 1 << 19, 1 << 21):
-            src = torch.randn(n // 256, 256, device=self.device)
-            idx = torch.randperm(n // 256, device=self.device)
+            src = torch.randn(8, n // 2048, 256, device=self.device)
             nbytes.append(n * 4)
-            mem_t.append(self.time(lambda src=src, idx=idx: src.index_select(0, idx)))
-        return cost.fit(flops, gemm_t).model, cost.fit(nbytes, mem_t).model
+            mem_t.append(self.time(lambda src=src: src.transpose(0, 1).contiguous()))
+        for tokens in (256, 1024, 4096):
+            fn, n = _route_step(tokens, self.device)
+            buf_bytes.append(n)
+            route_t.append(self.time(fn))
+        return {"gemm": cost.fit(flops, gemm_t).model, "mem": cost.fit(nbytes, mem_t).model,
+                "route": cost.fit(buf_bytes, route_t).model}
 
     def measure(self) -> OpCosts:
         ops = {name: self.collective(name) for name in ("a2a@ep", "ag@esp", "rs@esp", "ag@mp", "ar@mp")}
         ops["ar@esp"] = ops["ar@mp"]
-        ops["gemm"], ops["mem"] = self.local()
-        second = ops["ag@esp"] if self.g.esp is not None else ops["ag@mp"]
-        return OpCosts(ops, self.overlap(ops["a2a@ep"], second))
+        ops.update(self.local())
+        return OpCosts(ops, self.overlap(ops))
 
 
 def _to_tensor(c: OpCosts) -> torch.Tensor:

@@ -121,7 +121,7 @@ def _step(layer, x, go) -> None:
 def _compute_only(layer, x, go) -> None:
     """An S2 layer's local work with its exchanges replaced by local reshapes of the same sizes."""
     from ds_plugins import experts, routing
-    from ds_plugins._ds_dispatch import combine, dispatch
+    from ds_plugins.dispatch import combine, dispatch
 
     g, e = layer.parm_groups, layer.num_experts
     r = routing.route(layer.gate, x)

@@ -20,7 +20,7 @@ import math
 import torch
 
 from ds_plugins import collectives, experts, overlap, routing
-from ds_plugins._ds_dispatch import combine, dispatch
+from ds_plugins.dispatch import combine, dispatch
 
 
 def _pad(capacity: int, multiple: int) -> int:

@@ -24,8 +24,8 @@ from deepspeed.accelerator import get_accelerator
 
 from commweave import comm, cost
 from ds_plugins import cost_model
-from ds_plugins._ds_dispatch import combine, dispatch
 from ds_plugins.cost_model import LayerShape, OpCosts
+from ds_plugins.dispatch import combine, dispatch
 
 SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 21)
 """fp32 elements per micro-benchmark buffer (256 KiB to 8 MiB)."""

@@ -71,6 +71,15 @@ def _worker(rank: int, world_size: int, port: int, backend: str, env: dict, conn
     dist.destroy_process_group()
 
 
+def _remove_deepspeed_shm(port: int, ranks: int) -> None:
+    """DeepSpeed's CPU all-reduce (``deepspeed/ops/csrc/cpu/comm/shm.cpp``) gives every rank a 67 MB
+    /dev/shm buffer named after the master address and port, and never unlinks it: with a new port for
+    every world, RAM fills up. The ranks are gone by now, so their buffers can go too."""
+    for rank in range(ranks):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_{rank}")
+
+
 @dataclass
 class World:
     """N spawned ranks with an initialised process group, reused across calls.
@@ -87,6 +96,7 @@ class World:
     start_timeout: float = 120.0
     _procs: list = field(default_factory=list, init=False, repr=False)
     _conns: list = field(default_factory=list, init=False, repr=False)
+    _port: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -98,7 +108,7 @@ class World:
 
     def start(self) -> None:
         self.close()
-        port = free_port()
+        port = self._port = free_port()
         env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **self.env}
         env = {k: str(v) for k, v in env.items()}
         for r in range(self.world_size):
@@ -183,6 +193,8 @@ class World:
                 p.join()
         for c in self._conns:
             c.close()
+        if self._procs:
+            _remove_deepspeed_shm(self._port, len(self._procs))
         self._procs.clear()
         self._conns.clear()
 

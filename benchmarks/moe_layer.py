@@ -96,7 +96,6 @@ def _layer(row: str, cfg: Config):
 
     kw = dict(num_experts=cfg.experts, ep_size=cfg.ep, k=cfg.k, capacity_factor=cfg.capacity_factor,
               eval_capacity_factor=cfg.capacity_factor, min_capacity=0, enable_expert_tensor_parallelism=True)
-    torch.manual_seed(1)
     if row == "DeepSpeed MoE":
         expert = _TensorParallelMLP(cfg.hidden, cfg.ffn, cfg.tp) if cfg.tp > 1 else \
             nn.Sequential(nn.Linear(cfg.hidden, cfg.ffn), nn.GELU(), nn.Linear(cfg.ffn, cfg.hidden))
@@ -104,13 +103,34 @@ def _layer(row: str, cfg: Config):
     else:
         expert = nn.Sequential(nn.Linear(cfg.hidden, cfg.ffn), nn.GELU(), nn.Linear(cfg.ffn, cfg.hidden))
         layer = ParmMoE(cfg.hidden, expert, schedule=row.split()[-1], overlap_chunks=cfg.chunks, **kw)
-    torch.manual_seed(2)
-    with torch.no_grad():
-        layer.deepspeed_moe.gate.wg.weight.normal_()  # the same routing in every row
     layer.set_deepspeed_parallelism()
     if cfg.ep > 1:
         comm.set_group_name(layer.deepspeed_moe.ep_group, "ep")  # DeepSpeed's own group, as ParmMoE names it
+    _load_weights(layer, cfg)
     return layer.to(DTYPES[cfg.dtype])
+
+
+def _load_weights(layer, cfg: Config) -> None:
+    """The same gate and experts in every row: global expert e's weights come from seed e, and each rank
+    keeps its local experts' tensor-parallel shards (DeepSpeed's TP expert and ParmMoE shard alike)."""
+    from deepspeed.utils import groups
+
+    ep_rank = groups._get_expert_parallel_rank(layer.expert_group_name)
+    q = 0 if groups.mpu is None else groups.mpu.get_tensor_model_parallel_rank()
+    h = cfg.ffn // cfg.tp
+    rows = slice(q * h, (q + 1) * h)
+    with torch.no_grad():
+        layer.deepspeed_moe.gate.wg.weight.copy_(torch.randn(cfg.experts, cfg.hidden,
+                                                             generator=torch.Generator().manual_seed(2)))
+        for j, expert in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
+            g = torch.Generator().manual_seed(100 + ep_rank * layer.num_local_experts + j)
+            w1 = torch.randn(cfg.ffn, cfg.hidden, generator=g) / cfg.hidden ** 0.5
+            w2 = torch.randn(cfg.hidden, cfg.ffn, generator=g) / cfg.ffn ** 0.5
+            fc1, fc2 = (expert.fc1, expert.fc2) if hasattr(expert, "fc1") else (expert[0], expert[2])
+            fc1.weight.copy_(w1[rows] if fc1.weight.shape[0] == h else w1)
+            fc2.weight.copy_(w2[:, rows] if fc2.weight.shape[1] == h else w2)
+            fc1.bias.zero_()
+            fc2.bias.zero_()
 
 
 def _step(layer, x, go) -> None:
@@ -136,7 +156,22 @@ def _compute_only(layer, x, go) -> None:
 _MPUS: dict[int, object] = {}
 
 
-def _rank_bench(cfg: Config, rows: tuple[str, ...], iters: int, warmup: int) -> dict:
+def _rank_outputs(cfg: Config, rows: tuple[str, ...]) -> dict:
+    """Every row's output and input gradient for one batch: the rows compute the same function."""
+    _setup(cfg)
+    torch.manual_seed(100 + dist.get_rank() // cfg.tp)
+    x = torch.randn(cfg.tokens, cfg.hidden, requires_grad=True)
+    go = torch.randn(cfg.tokens, cfg.hidden)
+    out = {}
+    for row in rows:
+        out_row, _, _ = _layer(row, cfg)(x)
+        (out_row * go).sum().backward()
+        out[row] = (out_row.detach(), x.grad)
+        x.grad = None
+    return out
+
+
+def _setup(cfg: Config) -> None:
     import deepspeed
     from deepspeed.moe import mappings
     from deepspeed.utils import groups
@@ -149,6 +184,10 @@ def _rank_bench(cfg: Config, rows: tuple[str, ...], iters: int, warmup: int) -> 
         _MPUS[cfg.tp] = ModelParallelUnit(cfg.tp)
     groups.mpu = _MPUS.get(cfg.tp)
     groups.expert_tensor_parallel_world_size = cfg.tp
+
+
+def _rank_bench(cfg: Config, rows: tuple[str, ...], iters: int, warmup: int) -> dict:
+    _setup(cfg)
     world = dist.group.WORLD
     torch.manual_seed(100 + dist.get_rank() // cfg.tp)
     dtype = DTYPES[cfg.dtype]

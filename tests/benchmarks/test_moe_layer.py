@@ -1,0 +1,27 @@
+"""benchmarks.moe_layer compares like with like: every row computes the same layer (same gate, same
+experts, DeepSpeed's as tensor-parallel shards) and so the same output and input gradient."""
+
+import pytest
+import torch
+
+from benchmarks import moe_layer as bench
+
+
+@pytest.mark.world_size(4)
+def test_rows_compute_the_same_layer(world):
+    # k = 1 and a capacity no shard can fill: S1 routes like the others (parm.md §2.5), RTS draws are moot
+    cfg = bench.Config(tokens=64, hidden=16, ffn=32, k=1, capacity_factor=8.0, chunks=2)
+    rows = ("DeepSpeed MoE", "parm deepspeed", "parm s1", "parm s2", "parm auto")
+    for outputs in world.run(bench._rank_outputs, cfg, rows):
+        want_y, want_dx = outputs["DeepSpeed MoE"]
+        for row in rows[1:]:
+            y, dx = outputs[row]
+            torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5, msg=row)
+            torch.testing.assert_close(dx, want_dx, rtol=1e-5, atol=1e-5, msg=row)
+
+
+def test_grid_spans_both_regimes():
+    configs = bench.grid_configs()
+    assert len(configs) >= 12
+    kf = {c.k * c.capacity_factor for c in configs}
+    assert min(kf) < 1 < max(kf)  # S2 moves less over MP below k·f = 1, S1 above (parm.md §2.5)

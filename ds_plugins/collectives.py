@@ -69,6 +69,10 @@ def _blocks(rows: int, n: int) -> list[int]:
 def _gather_blocks(x: torch.Tensor, group, rows: list[int]) -> torch.Tensor:
     """All-gather row blocks of sizes ``rows`` (this rank holds ``x``), padding each to the largest."""
     n, width = len(rows), max(rows)
+    if min(rows) == width:  # equal blocks: straight into the result, no padding and no copies
+        out = x.new_empty((n * width, *x.shape[1:]))
+        comm.all_gather(out, x, group)
+        return out
     padded = x.new_zeros((width, *x.shape[1:]))
     padded[: x.shape[0]] = x
     out = x.new_empty((n, width, *x.shape[1:]))

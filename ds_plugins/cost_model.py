@@ -148,7 +148,8 @@ def predict(schedule: str, sh: LayerShape, costs: OpCosts) -> Breakdown:
         out.add("experts", _experts(costs, sh, s * p * cb))
         if n > 1:
             rows = n * mine * m * b                      # the MP all-gather of S·M (padded blocks)
-            out.add("mp", 2 * costs("ag@mp", rows) + 4 * costs("mem", rows) + costs("ar@mp", 3 * e * 4)
+            pad = 0 if sh.tokens % n == 0 else 4 * costs("mem", rows)
+            out.add("mp", 2 * costs("ag@mp", rows) + pad + costs("ar@mp", 3 * e * 4)
                     + costs("ar@mp", e * m * 4))
         return out
     c = sh.capacity(sh.tokens)

@@ -289,7 +289,7 @@ def run_default(cfg: Config, iters: int, warmup: int) -> dict:
         "a2a_bytes_parm_deepspeed_over_s1": a2a["parm deepspeed"] / a2a["parm s1"],
         "a2a_bytes_parm_deepspeed_over_s2": a2a["parm deepspeed"] / a2a["parm s2"],
         "a2a_bytes_deepspeed_moe_over_s2": a2a["DeepSpeed MoE"] / a2a["parm s2"],
-        "projected_speedup_s2_vs_ds": projections,
+        "projected_speedup_best_parm_vs_deepspeed_moe": projections,
         "load_avg": load_after,
     }
     ratios["speedup_limit_compute_only_vs_deepspeed_moe"] = base / med["compute only"]

@@ -23,10 +23,15 @@ def plan():
 
 @pytest.fixture
 def env(monkeypatch):
+    """runtime.init writes os.environ itself (GLOO_SOCKET_IFNAME, RANK, ...), which monkeypatch does not
+    undo for variables that were absent: restore the whole environment, or later worlds inherit it."""
+    saved = dict(os.environ)
     for k in ("ATLAS_PLAN", "ATLAS_HOST", "CROSS_RANK", "RANK", "LOCAL_RANK", "WORLD_SIZE",
               "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "ATLAS_SHARING", "ATLAS_WAN_CONNS"):
         monkeypatch.delenv(k, raising=False)
-    return monkeypatch
+    yield monkeypatch
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def test_current_plan_from_the_environment(env, plan):

@@ -1,15 +1,18 @@
 // Row loops of the CPU kernels: a row is M contiguous elements of the model dim. The loops are plain
-// element-wise code that the compiler vectorises (the reduction through `omp simd`). There is no fused
-// multiply-add: a product is rounded before it is summed, as in torch's mul-then-sum, so fp32 results
-// match deepspeed's bit for bit.
+// element-wise code that the compiler vectorises for the ISA of the including file (kernels_cpu.h).
+// There is no fused multiply-add: a product is rounded before it is summed, as in torch's
+// mul-then-sum, so fp32 results match deepspeed's bit for bit.
 #pragma once
+#ifndef COMMWEAVE_CPU_ISA
+#error "rows_cpu.h is included by kernels_cpu_impl.h, which names the ISA namespace"
+#endif
 
 #include "routes.h"
 
 #include <cstdint>
 #include <cstring>
 
-namespace commweave::rows {
+namespace commweave::cpu::COMMWEAVE_CPU_ISA::rows {
 
 // Elements per block of sum_rows: the block's accumulators stay in vector registers while the
 // token's routes stream through, so each output element is written once, rounded once.
@@ -103,15 +106,6 @@ inline A dot(const A* __restrict a, const T* __restrict row, int64_t n) {
   return sum;
 }
 
-// Ask for a row a few tokens ahead: the gathers jump between random rows of a few KB, too short for
-// the hardware prefetcher to ramp up on its own.
-inline void prefetch(const void* row, int64_t bytes) {
-  const auto* p = static_cast<const char*>(row);
-  for (int64_t off = 0; off < bytes; off += 64) {
-    __builtin_prefetch(p + off);
-  }
-}
-
 // The live routes of token s: their rows in `buffer` [E * C, M] (and their gates, when given),
 // in route order j = 0, 1, ...; returns how many there are.
 template <typename T, typename A>
@@ -140,12 +134,9 @@ inline void prefetch_routes(int64_t s, const int32_t* idx, const int32_t* loc, i
   for (int64_t j = 0; j < k; ++j) {
     const int64_t r = j * num_tokens + s;
     if (idx[r] >= 0 && idx[r] < num_experts && loc[r] >= 0 && loc[r] < capacity) {
-      prefetch(buffer + (idx[r] * capacity + loc[r]) * d_model, d_model * static_cast<int64_t>(sizeof(T)));
+      prefetch_row(buffer + (idx[r] * capacity + loc[r]) * d_model, d_model * static_cast<int64_t>(sizeof(T)));
     }
   }
 }
 
-// Tokens ahead whose rows are prefetched.
-constexpr int64_t kAhead = 2;
-
-}  // namespace commweave::rows
+}  // namespace commweave::cpu::COMMWEAVE_CPU_ISA::rows

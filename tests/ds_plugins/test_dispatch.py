@@ -1,7 +1,12 @@
 """The fused dispatch/combine kernels (ds_plugins._C, via ds_plugins.dispatch) against the pure-torch
-reference and DeepSpeed's sparse path: forward, backward, gradcheck in fp64, input checks, and the
-fallback when the extension is missing. CUDA cases run the same checks on a GPU (marked `cuda`)."""
+reference and DeepSpeed's sparse path: forward, backward, low-precision accuracy, gradcheck in fp64,
+on both CPU builds (baseline and AVX2). CUDA cases run the same checks on a GPU (marked `cuda`).
+Input checks and the fallback are in test_dispatch_inputs.py."""
 
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -162,3 +167,22 @@ def test_empty_shapes():
     dropped = torch.full((1, 4), -1, dtype=torch.int32)
     y = ops.combine(torch.ones(2, 0, 8), dropped, dropped, torch.ones(1, 4))
     assert torch.equal(y, torch.zeros(4, 8))
+
+
+def test_cpu_isa_is_the_one_asked_for():
+    _expect_kernels("cpu")
+    assert ops._C.CPU_ISA in ("base", "avx2")
+    assert os.environ.get("COMMWEAVE_CPU_ISA", ops._C.CPU_ISA) == ops._C.CPU_ISA
+
+
+def test_baseline_cpu_kernels_pass_the_cpu_tests_too():
+    """The CPU kernels are built for the baseline ISA and for AVX2 + F16C; the tests above run the build
+    this CPU picks. This reruns them on the baseline build (COMMWEAVE_CPU_ISA=base)."""
+    _expect_kernels("cpu")
+    if os.environ.get("COMMWEAVE_CPU_ISA") == "base":
+        pytest.skip("already running the baseline build")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "cpu and not baseline"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "COMMWEAVE_CPU_ISA": "base"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout

@@ -1,0 +1,156 @@
+// The CPU kernels that do arithmetic, compiled once per ISA into the namespace
+// commweave::cpu::COMMWEAVE_CPU_ISA (kernels_cpu_base.cpp, kernels_cpu_avx2.cpp) and reached through
+// the table of kernels_cpu.h. Maths in dispatch.h and combine.h. Parallel over tokens
+// (at::parallel_for, OpenMP); every output row has one writer and is written once.
+#pragma once
+#ifndef COMMWEAVE_CPU_ISA
+#error "define COMMWEAVE_CPU_ISA (the namespace of this build of the kernels) before including"
+#endif
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "kernels_cpu.h"
+#include "routes.h"
+#include "rows_cpu.h"
+
+namespace commweave::cpu::COMMWEAVE_CPU_ISA {
+namespace {
+
+// dispatch backward: the token's live routes summed in the accumulate type, rounded once.
+template <typename T>
+void gather_sum(const T* grad, const int32_t* idx, const int32_t* loc, T* out, int64_t k,
+                int64_t num_tokens, int64_t d_model, int64_t num_experts, int64_t capacity) {
+  using A = typename Acc<T>::type;
+  at::parallel_for(0, num_tokens, grain_rows(d_model * sizeof(T)), [&](int64_t begin, int64_t end) {
+    std::vector<const T*> routes(k);
+    for (int64_t s = begin; s < end; ++s) {
+      if (s + kAhead < end) {
+        rows::prefetch_routes(s + kAhead, idx, loc, k, num_tokens, num_experts, capacity, grad,
+                              d_model);
+      }
+      const int64_t live = rows::token_routes<T, A>(s, idx, loc, nullptr, k, num_tokens, num_experts,
+                                                    capacity, grad, d_model, routes.data(), nullptr);
+      T* dst = out + s * d_model;
+      if (live == 1) {
+        std::memcpy(dst, routes[0], d_model * sizeof(T));  // a single route is a copy, exactly
+      } else {
+        rows::sum_rows<false, T, A>(dst, routes.data(), nullptr, live, d_model);
+      }
+    }
+  });
+}
+
+// combine forward: the token's k weighted routes summed in an fp32 (fp64) row, rounded once.
+template <typename T, typename A>
+void weighted_sum(const T* expert, const int32_t* idx, const int32_t* loc, const A* gates, T* out,
+                  int64_t k, int64_t num_tokens, int64_t d_model, int64_t num_experts, int64_t capacity) {
+  at::parallel_for(0, num_tokens, grain_rows(d_model * sizeof(T)), [&](int64_t begin, int64_t end) {
+    std::vector<const T*> routes(k);
+    std::vector<A> weights(k);
+    for (int64_t s = begin; s < end; ++s) {
+      if (s + kAhead < end) {
+        rows::prefetch_routes(s + kAhead, idx, loc, k, num_tokens, num_experts, capacity, expert,
+                              d_model);
+      }
+      const int64_t live = rows::token_routes(s, idx, loc, gates, k, num_tokens, num_experts, capacity,
+                                              expert, d_model, routes.data(), weights.data());
+      rows::sum_rows<true>(out + s * d_model, routes.data(), weights.data(), live, d_model);
+    }
+  });
+}
+
+// combine backward: each grad_y row is read once (widened to the accumulate type, it stays in L1
+// while the token's routes use it); per route, one pass writes gate * dy and takes <dy, route>.
+template <typename T, typename A>
+void weighted_sum_backward(const T* grad, const T* expert, const int32_t* idx, const int32_t* loc,
+                           const A* gates, T* grad_expert, A* grad_gates, int64_t k, int64_t num_tokens,
+                           int64_t d_model, int64_t num_experts, int64_t capacity) {
+  at::parallel_for(0, num_tokens, grain_rows(d_model * sizeof(T)), [&](int64_t begin, int64_t end) {
+    std::vector<A> scratch(std::is_same_v<T, A> ? 0 : d_model);
+    for (int64_t s = begin; s < end; ++s) {
+      if (grad_gates != nullptr && s + kAhead < end) {
+        rows::prefetch_routes(s + kAhead, idx, loc, k, num_tokens, num_experts, capacity, expert,
+                              d_model);
+      }
+      const A* dy = reinterpret_cast<const A*>(grad + s * d_model);
+      if constexpr (!std::is_same_v<T, A>) {
+        rows::widen(scratch.data(), grad + s * d_model, d_model);
+        dy = scratch.data();
+      }
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t r = j * num_tokens + s;
+        const int64_t slot = route_slot(idx[r], loc[r], num_experts, capacity);
+        if (slot < 0) {
+          if (grad_gates != nullptr) {
+            grad_gates[r] = 0;
+          }
+        } else if (grad_expert != nullptr && grad_gates != nullptr) {
+          grad_gates[r] = rows::scale_and_dot(grad_expert + slot * d_model, dy, gates[r],
+                                              expert + slot * d_model, d_model);
+        } else if (grad_expert != nullptr) {
+          rows::scale(grad_expert + slot * d_model, dy, gates[r], d_model);
+        } else {
+          grad_gates[r] = rows::dot(dy, expert + slot * d_model, d_model);
+        }
+      }
+    }
+  });
+}
+
+// Calls f(T{}, A{}) with the storage type T of `dtype` and the accumulate type A of `acc`.
+template <typename F>
+void with_types(at::ScalarType dtype, at::ScalarType acc, F&& f) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "commweave", [&] {
+    if (acc == at::kDouble) {
+      f(scalar_t{}, double{});
+    } else {
+      f(scalar_t{}, typename Acc<scalar_t>::type{});
+    }
+  });
+}
+
+void dispatch_backward(at::ScalarType dtype, const void* grad, const int32_t* indices, const int32_t* locations,
+                       void* grad_x, int64_t k, int64_t num_tokens, int64_t d_model, int64_t num_experts,
+                       int64_t capacity) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "dispatch_backward", [&] {
+    gather_sum<scalar_t>(static_cast<const scalar_t*>(grad), indices, locations,
+                         static_cast<scalar_t*>(grad_x), k, num_tokens, d_model, num_experts, capacity);
+  });
+}
+
+void combine(at::ScalarType dtype, at::ScalarType acc, const void* expert, const int32_t* indices,
+             const int32_t* locations, const void* gates, void* y, int64_t k, int64_t num_tokens,
+             int64_t d_model, int64_t num_experts, int64_t capacity) {
+  with_types(dtype, acc, [&](auto t, auto a) {
+    using T = decltype(t);
+    using A = decltype(a);
+    weighted_sum<T, A>(static_cast<const T*>(expert), indices, locations, static_cast<const A*>(gates),
+                       static_cast<T*>(y), k, num_tokens, d_model, num_experts, capacity);
+  });
+}
+
+void combine_backward(at::ScalarType dtype, at::ScalarType acc, const void* grad_y, const void* expert,
+                      const int32_t* indices, const int32_t* locations, const void* gates, void* grad_expert,
+                      void* grad_gates, int64_t k, int64_t num_tokens, int64_t d_model, int64_t num_experts,
+                      int64_t capacity) {
+  with_types(dtype, acc, [&](auto t, auto a) {
+    using T = decltype(t);
+    using A = decltype(a);
+    weighted_sum_backward<T, A>(static_cast<const T*>(grad_y), static_cast<const T*>(expert), indices,
+                                locations, static_cast<const A*>(gates), static_cast<T*>(grad_expert),
+                                static_cast<A*>(grad_gates), k, num_tokens, d_model, num_experts, capacity);
+  });
+}
+
+}  // namespace
+
+#define COMMWEAVE_STRINGIFY(name) #name
+#define COMMWEAVE_NAME(name) COMMWEAVE_STRINGIFY(name)
+const Kernels kernels = {COMMWEAVE_NAME(COMMWEAVE_CPU_ISA), &dispatch_backward, &combine, &combine_backward};
+
+}  // namespace commweave::cpu::COMMWEAVE_CPU_ISA

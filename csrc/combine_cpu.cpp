@@ -3,11 +3,11 @@
 // routes own; the slots no route owns are zeroed here, so every grad_expert row is written once.
 #include "combine.h"
 #include "kernels_cpu.h"
+#include "memory_cpu.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
-#include <cstring>
 #include <vector>
 
 namespace commweave {
@@ -67,9 +67,10 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_cpu(const at::Tensor& grad,
     at::parallel_for(0, num_experts * capacity, grain_rows(row), [&](int64_t begin, int64_t end) {
       for (int64_t slot = begin; slot < end; ++slot) {
         if (owner[slot] < 0) {
-          std::memset(dst + slot * row, 0, row);
+          stream_zero(dst + slot * row, row);
         }
       }
+      store_fence();
     });
   }
   return {grad_expert, need_gates_grad ? grad_gates.to(gates.scalar_type()) : grad_gates};

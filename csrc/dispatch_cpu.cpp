@@ -4,11 +4,10 @@
 // slot. The backward gathers each token's routes and sums them: kernels_cpu.h, per ISA.
 #include "dispatch.h"
 #include "kernels_cpu.h"
+#include "memory_cpu.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-
-#include <cstring>
 
 namespace commweave {
 
@@ -33,11 +32,12 @@ at::Tensor dispatch_cpu(const at::Tensor& x, const at::Tensor& indices, const at
       }
       const int32_t r = owner[slot];
       if (r < 0) {
-        std::memset(dst + slot * row, 0, row);
+        stream_zero(dst + slot * row, row);
       } else {
-        std::memcpy(dst + slot * row, src + (r % num_tokens) * row, row);
+        stream_copy(dst + slot * row, src + (r % num_tokens) * row, row);
       }
     }
+    store_fence();
   });
   return out;
 }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels_cpu.h"
+#include "memory_cpu.h"
 #include "routes.h"
 
 #pragma GCC target("avx2,f16c")

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kernels_cpu.h"
+#include "memory_cpu.h"
 #include "routes.h"
 #include "rows_cpu.h"
 
@@ -26,8 +27,10 @@ template <typename T>
 void gather_sum(const T* grad, const int32_t* idx, const int32_t* loc, T* out, int64_t k,
                 int64_t num_tokens, int64_t d_model, int64_t num_experts, int64_t capacity) {
   using A = typename Acc<T>::type;
-  at::parallel_for(0, num_tokens, grain_rows(d_model * sizeof(T)), [&](int64_t begin, int64_t end) {
+  const int64_t bytes = d_model * static_cast<int64_t>(sizeof(T));
+  at::parallel_for(0, num_tokens, grain_rows(bytes), [&](int64_t begin, int64_t end) {
     std::vector<const T*> routes(k);
+    std::vector<T> row(d_model);
     for (int64_t s = begin; s < end; ++s) {
       if (s + kAhead < end) {
         rows::prefetch_routes(s + kAhead, idx, loc, k, num_tokens, num_experts, capacity, grad,
@@ -35,13 +38,16 @@ void gather_sum(const T* grad, const int32_t* idx, const int32_t* loc, T* out, i
       }
       const int64_t live = rows::token_routes<T, A>(s, idx, loc, nullptr, k, num_tokens, num_experts,
                                                     capacity, grad, d_model, routes.data(), nullptr);
-      T* dst = out + s * d_model;
-      if (live == 1) {
-        std::memcpy(dst, routes[0], d_model * sizeof(T));  // a single route is a copy, exactly
+      if (live == 0) {
+        stream_zero(out + s * d_model, bytes);
+      } else if (live == 1) {
+        stream_copy(out + s * d_model, routes[0], bytes);  // a single route is a copy, exactly
       } else {
-        rows::sum_rows<false, T, A>(dst, routes.data(), nullptr, live, d_model);
+        rows::sum_rows<false, T, A>(row.data(), routes.data(), nullptr, live, d_model);
+        stream_copy(out + s * d_model, row.data(), bytes);
       }
     }
+    store_fence();
   });
 }
 
@@ -49,9 +55,11 @@ void gather_sum(const T* grad, const int32_t* idx, const int32_t* loc, T* out, i
 template <typename T, typename A>
 void weighted_sum(const T* expert, const int32_t* idx, const int32_t* loc, const A* gates, T* out,
                   int64_t k, int64_t num_tokens, int64_t d_model, int64_t num_experts, int64_t capacity) {
-  at::parallel_for(0, num_tokens, grain_rows(d_model * sizeof(T)), [&](int64_t begin, int64_t end) {
+  const int64_t bytes = d_model * static_cast<int64_t>(sizeof(T));
+  at::parallel_for(0, num_tokens, grain_rows(bytes), [&](int64_t begin, int64_t end) {
     std::vector<const T*> routes(k);
     std::vector<A> weights(k);
+    std::vector<T> row(d_model);
     for (int64_t s = begin; s < end; ++s) {
       if (s + kAhead < end) {
         rows::prefetch_routes(s + kAhead, idx, loc, k, num_tokens, num_experts, capacity, expert,
@@ -59,19 +67,27 @@ void weighted_sum(const T* expert, const int32_t* idx, const int32_t* loc, const
       }
       const int64_t live = rows::token_routes(s, idx, loc, gates, k, num_tokens, num_experts, capacity,
                                               expert, d_model, routes.data(), weights.data());
-      rows::sum_rows<true>(out + s * d_model, routes.data(), weights.data(), live, d_model);
+      if (live == 0) {
+        stream_zero(out + s * d_model, bytes);
+      } else {
+        rows::sum_rows<true>(row.data(), routes.data(), weights.data(), live, d_model);
+        stream_copy(out + s * d_model, row.data(), bytes);
+      }
     }
+    store_fence();
   });
 }
 
 // combine backward: each grad_y row is read once (widened to the accumulate type, it stays in L1
-// while the token's routes use it); per route, one pass writes gate * dy and takes <dy, route>.
+// while the token's routes use it); per route, one pass makes gate * dy and takes <dy, route>.
 template <typename T, typename A>
 void weighted_sum_backward(const T* grad, const T* expert, const int32_t* idx, const int32_t* loc,
                            const A* gates, T* grad_expert, A* grad_gates, int64_t k, int64_t num_tokens,
                            int64_t d_model, int64_t num_experts, int64_t capacity) {
-  at::parallel_for(0, num_tokens, grain_rows(d_model * sizeof(T)), [&](int64_t begin, int64_t end) {
+  const int64_t bytes = d_model * static_cast<int64_t>(sizeof(T));
+  at::parallel_for(0, num_tokens, grain_rows(bytes), [&](int64_t begin, int64_t end) {
     std::vector<A> scratch(std::is_same_v<T, A> ? 0 : d_model);
+    std::vector<T> row(grad_expert != nullptr ? d_model : 0);
     for (int64_t s = begin; s < end; ++s) {
       if (grad_gates != nullptr && s + kAhead < end) {
         rows::prefetch_routes(s + kAhead, idx, loc, k, num_tokens, num_experts, capacity, expert,
@@ -89,16 +105,19 @@ void weighted_sum_backward(const T* grad, const T* expert, const int32_t* idx, c
           if (grad_gates != nullptr) {
             grad_gates[r] = 0;
           }
-        } else if (grad_expert != nullptr && grad_gates != nullptr) {
-          grad_gates[r] = rows::scale_and_dot(grad_expert + slot * d_model, dy, gates[r],
-                                              expert + slot * d_model, d_model);
         } else if (grad_expert != nullptr) {
-          rows::scale(grad_expert + slot * d_model, dy, gates[r], d_model);
+          if (grad_gates != nullptr) {
+            grad_gates[r] = rows::scale_and_dot(row.data(), dy, gates[r], expert + slot * d_model, d_model);
+          } else {
+            rows::scale(row.data(), dy, gates[r], d_model);
+          }
+          stream_copy(grad_expert + slot * d_model, row.data(), bytes);
         } else {
           grad_gates[r] = rows::dot(dy, expert + slot * d_model, d_model);
         }
       }
     }
+    store_fence();
   });
 }
 

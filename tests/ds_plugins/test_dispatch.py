@@ -20,7 +20,9 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])
 DEVICES = ["cpu", CUDA]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-M = 40  # not a multiple of the vector widths: the kernels' tails run too
+# 40: rows that are no multiple of the vector widths (the loops' tails run); 64: rows of whole cache lines
+# (the CPU kernels stream them out with non-temporal stores).
+D_MODELS = [40, 64]
 
 ROUTES = {
     "top1": lambda: gate_routes(1, 128, 8, 1.0, seed=11),
@@ -36,7 +38,7 @@ def _to(routes: Routes, device) -> Routes:
                   routes.num_experts, routes.capacity)
 
 
-def _data(routes: Routes, dtype, device, seed=0, d_model=M):
+def _data(routes: Routes, dtype, device, d_model, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(routes.num_tokens, d_model, generator=g).to(device, dtype)
     expert_output = torch.randn(routes.num_experts, routes.capacity, d_model, generator=g).to(device, dtype)
@@ -55,12 +57,13 @@ def test_backend_names_the_path():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d_model", D_MODELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ROUTES)
-def test_forward_matches_reference_and_deepspeed(case, dtype, device):
+def test_forward_matches_reference_and_deepspeed(case, dtype, d_model, device):
     _expect_kernels(device)
     routes = _to(ROUTES[case](), device)
-    x, expert_output = _data(routes, dtype, device)
+    x, expert_output = _data(routes, dtype, device, d_model=d_model)
     dispatched = ops.dispatch(x, routes.indices, routes.locations, routes.num_experts, routes.capacity)
     combined = ops.combine(expert_output, routes.indices, routes.locations, routes.gates)
     # The oracles run on the CPU, where torch sums the k routes in order (a GPU reduction may pair them).
@@ -69,19 +72,20 @@ def test_forward_matches_reference_and_deepspeed(case, dtype, device):
     # dispatch is a permutation: bit-exact. combine rounds each gate product, then sums the routes in
     # order in fp32 (fp64), exactly as _sparse_decode does: bit-exact too.
     assert torch.equal(dispatched.cpu(), _sparse_encode(x, slots, routes.num_experts, routes.capacity))
-    assert torch.equal(combined.cpu(), _sparse_decode(expert_output.view(-1, M), slots, routes.gates,
+    assert torch.equal(combined.cpu(), _sparse_decode(expert_output.view(-1, d_model), slots, routes.gates,
                                                       routes.num_tokens))
     assert torch.equal(combined.cpu(), reference.combine(expert_output, routes.indices, routes.locations,
                                                          routes.gates))
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d_model", D_MODELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ROUTES)
-def test_backward_matches_the_oracle(case, dtype, device):
+def test_backward_matches_the_oracle(case, dtype, d_model, device):
     _expect_kernels(device)
     routes = _to(ROUTES[case](), device)
-    x, expert_output = _data(routes, dtype, device)
+    x, expert_output = _data(routes, dtype, device, d_model=d_model)
     x.requires_grad_(True)
     expert_output.requires_grad_(True)
     gates = routes.gates.clone().requires_grad_(True)
@@ -126,7 +130,7 @@ def test_low_precision_combine_is_as_accurate_as_fp32_accumulation_allows(dtype,
 def test_non_contiguous_inputs(device):
     _expect_kernels(device)
     routes = _to(random_routes(2, 64, 4, 40, drop=0.2, seed=31), device)
-    x, expert_output = _data(routes, torch.float32, device, d_model=2 * M)
+    x, expert_output = _data(routes, torch.float32, device, d_model=80)
     x, expert_output = x[:, ::2], expert_output.transpose(0, 1).contiguous().transpose(0, 1)[..., ::2]
     indices = torch.stack([routes.indices, routes.indices], -1)[..., 0]
     locations = routes.locations.t().contiguous().t()

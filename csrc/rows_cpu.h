@@ -14,7 +14,7 @@
 
 namespace commweave::cpu::COMMWEAVE_CPU_ISA::rows {
 
-// Elements per block of sum_rows: the block's accumulators stay in vector registers while the
+// Elements per block of sum_rows beyond four rows: the block's accumulators stay close while the
 // token's routes stream through, so each output element is written once, rounded once.
 constexpr int64_t kBlock = 32;
 
@@ -39,13 +39,54 @@ inline void sum_block(T* __restrict out, const T* const* rows, const A* weights,
   }
 }
 
+// Term j of a sum: w * row[m] (a rounded product) or the plain widened element.
+template <bool Weighted, typename A, typename T>
+inline A term(const T* __restrict row, A w, int64_t m) {
+  return Weighted ? w * static_cast<A>(row[m]) : static_cast<A>(row[m]);
+}
+
 // out = sum_j weights[j] * rows[j] (or the plain sum when !Weighted), summed in order j = 0, 1, ...
-// in the accumulate type A and rounded once; zeros when n_rows == 0.
+// in the accumulate type A and rounded once; zeros when n_rows == 0. Up to four rows (every top-k
+// gate of DeepSpeed up to k = 4) are one element-wise loop the compiler keeps in vector registers;
+// more go block by block.
 template <bool Weighted, typename T, typename A>
-inline void sum_rows(T* out, const T* const* rows, const A* weights, int64_t n_rows, int64_t n) {
-  if (n_rows == 0) {
-    std::memset(out, 0, n * sizeof(T));
-    return;
+inline void sum_rows(T* __restrict out, const T* const* rows, const A* weights, int64_t n_rows, int64_t n) {
+  const T* __restrict r0 = n_rows > 0 ? rows[0] : nullptr;
+  const T* __restrict r1 = n_rows > 1 ? rows[1] : nullptr;
+  const T* __restrict r2 = n_rows > 2 ? rows[2] : nullptr;
+  const T* __restrict r3 = n_rows > 3 ? rows[3] : nullptr;
+  const A w0 = Weighted && n_rows > 0 ? weights[0] : A(1);
+  const A w1 = Weighted && n_rows > 1 ? weights[1] : A(1);
+  const A w2 = Weighted && n_rows > 2 ? weights[2] : A(1);
+  const A w3 = Weighted && n_rows > 3 ? weights[3] : A(1);
+  switch (n_rows) {
+    case 0:
+      std::memset(out, 0, n * sizeof(T));
+      return;
+    case 1:
+      for (int64_t m = 0; m < n; ++m) {
+        out[m] = static_cast<T>(term<Weighted>(r0, w0, m));
+      }
+      return;
+    case 2:
+      for (int64_t m = 0; m < n; ++m) {
+        out[m] = static_cast<T>(term<Weighted>(r0, w0, m) + term<Weighted>(r1, w1, m));
+      }
+      return;
+    case 3:
+      for (int64_t m = 0; m < n; ++m) {
+        out[m] = static_cast<T>(term<Weighted>(r0, w0, m) + term<Weighted>(r1, w1, m) +
+                                term<Weighted>(r2, w2, m));
+      }
+      return;
+    case 4:
+      for (int64_t m = 0; m < n; ++m) {
+        out[m] = static_cast<T>(term<Weighted>(r0, w0, m) + term<Weighted>(r1, w1, m) +
+                                term<Weighted>(r2, w2, m) + term<Weighted>(r3, w3, m));
+      }
+      return;
+    default:
+      break;
   }
   int64_t offset = 0;
   for (; offset + kBlock <= n; offset += kBlock) {

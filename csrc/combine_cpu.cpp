@@ -64,13 +64,12 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_cpu(const at::Tensor& grad,
   if (need_expert_grad) {
     const int64_t row = d_model * expert.element_size();
     auto* dst = static_cast<char*>(grad_expert.mutable_data_ptr());
-    at::parallel_for(0, num_experts * capacity, grain_rows(row), [&](int64_t begin, int64_t end) {
+    parallel_rows(num_experts * capacity, row, [&](int64_t begin, int64_t end) {
       for (int64_t slot = begin; slot < end; ++slot) {
         if (owner[slot] < 0) {
           stream_zero(dst + slot * row, row);
         }
       }
-      store_fence();
     });
   }
   return {grad_expert, need_gates_grad ? grad_gates.to(gates.scalar_type()) : grad_gates};

@@ -1,5 +1,5 @@
 // dispatch and its backward on the CPU (the maths in dispatch.h). Both write every output row exactly
-// once, in parallel (at::parallel_for, OpenMP); no output buffer is zero-filled first. The forward is a
+// once, in parallel (parallel_rows, memory_cpu.h); no output buffer is zero-filled first. The forward is a
 // row permutation, done here: it walks the E * C slots and copies the owning token's row or zeroes the
 // slot. The backward gathers each token's routes and sums them: kernels_cpu.h, per ISA.
 #include "dispatch.h"
@@ -25,7 +25,7 @@ at::Tensor dispatch_cpu(const at::Tensor& x, const at::Tensor& indices, const at
   const int64_t row = d_model * x_c.element_size();
   const auto* src = static_cast<const char*>(x_c.const_data_ptr());
   auto* dst = static_cast<char*>(out.mutable_data_ptr());
-  at::parallel_for(0, num_experts * capacity, grain_rows(row), [&](int64_t begin, int64_t end) {
+  parallel_rows(num_experts * capacity, row, [&](int64_t begin, int64_t end) {
     for (int64_t slot = begin; slot < end; ++slot) {
       if (slot + kAhead < end && owner[slot + kAhead] >= 0) {
         prefetch_row(src + (owner[slot + kAhead] % num_tokens) * row, row);
@@ -37,7 +37,6 @@ at::Tensor dispatch_cpu(const at::Tensor& x, const at::Tensor& indices, const at
         stream_copy(dst + slot * row, src + (r % num_tokens) * row, row);
       }
     }
-    store_fence();
   });
   return out;
 }

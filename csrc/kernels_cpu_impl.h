@@ -1,7 +1,8 @@
 // The CPU kernels that do arithmetic, compiled once per ISA into the namespace
 // commweave::cpu::COMMWEAVE_CPU_ISA (kernels_cpu_base.cpp, kernels_cpu_avx2.cpp) and reached through
-// the table of kernels_cpu.h. Maths in dispatch.h and combine.h. Parallel over tokens
-// (at::parallel_for, OpenMP); every output row has one writer and is written once.
+// the table of kernels_cpu.h. Maths in dispatch.h and combine.h. Parallel over tokens (parallel_rows,
+// memory_cpu.h); every output row has one writer and is written once, computed in an L1-resident row
+// and streamed out.
 #pragma once
 #ifndef COMMWEAVE_CPU_ISA
 #error "define COMMWEAVE_CPU_ISA (the namespace of this build of the kernels) before including"
@@ -28,7 +29,7 @@ void gather_sum(const T* grad, const int32_t* idx, const int32_t* loc, T* out, i
                 int64_t num_tokens, int64_t d_model, int64_t num_experts, int64_t capacity) {
   using A = typename Acc<T>::type;
   const int64_t bytes = d_model * static_cast<int64_t>(sizeof(T));
-  at::parallel_for(0, num_tokens, grain_rows(bytes), [&](int64_t begin, int64_t end) {
+  parallel_rows(num_tokens, bytes, [&](int64_t begin, int64_t end) {
     std::vector<const T*> routes(k);
     std::vector<T> row(d_model);
     for (int64_t s = begin; s < end; ++s) {
@@ -47,7 +48,6 @@ void gather_sum(const T* grad, const int32_t* idx, const int32_t* loc, T* out, i
         stream_copy(out + s * d_model, row.data(), bytes);
       }
     }
-    store_fence();
   });
 }
 
@@ -56,7 +56,7 @@ template <typename T, typename A>
 void weighted_sum(const T* expert, const int32_t* idx, const int32_t* loc, const A* gates, T* out,
                   int64_t k, int64_t num_tokens, int64_t d_model, int64_t num_experts, int64_t capacity) {
   const int64_t bytes = d_model * static_cast<int64_t>(sizeof(T));
-  at::parallel_for(0, num_tokens, grain_rows(bytes), [&](int64_t begin, int64_t end) {
+  parallel_rows(num_tokens, bytes, [&](int64_t begin, int64_t end) {
     std::vector<const T*> routes(k);
     std::vector<A> weights(k);
     std::vector<T> row(d_model);
@@ -74,7 +74,6 @@ void weighted_sum(const T* expert, const int32_t* idx, const int32_t* loc, const
         stream_copy(out + s * d_model, row.data(), bytes);
       }
     }
-    store_fence();
   });
 }
 
@@ -85,7 +84,7 @@ void weighted_sum_backward(const T* grad, const T* expert, const int32_t* idx, c
                            const A* gates, T* grad_expert, A* grad_gates, int64_t k, int64_t num_tokens,
                            int64_t d_model, int64_t num_experts, int64_t capacity) {
   const int64_t bytes = d_model * static_cast<int64_t>(sizeof(T));
-  at::parallel_for(0, num_tokens, grain_rows(bytes), [&](int64_t begin, int64_t end) {
+  parallel_rows(num_tokens, bytes, [&](int64_t begin, int64_t end) {
     std::vector<A> scratch(std::is_same_v<T, A> ? 0 : d_model);
     std::vector<T> row(grad_expert != nullptr ? d_model : 0);
     for (int64_t s = begin; s < end; ++s) {
@@ -117,7 +116,6 @@ void weighted_sum_backward(const T* grad, const T* expert, const int32_t* idx, c
         }
       }
     }
-    store_fence();
   });
 }
 

@@ -5,11 +5,15 @@
 //    line not in cache first reads it (read-for-ownership), so every output byte would cost a read and
 //    a write; the outputs here are far larger than the caches and not read back soon. glibc's memcpy
 //    streams only copies larger than a sizeable part of the cache, so rows of a few KB need it done
-//    here. store_fence() orders the streamed stores; each parallel task ends with it.
-//  - grain_rows: rows per parallel task.
+//    here. store_fence() orders the streamed stores; each chunk of parallel_rows ends with it.
+//  - parallel_rows: rows split over the threads in chunks taken from a shared counter, so that a
+//    thread slowed by other work on a shared machine takes fewer chunks instead of holding all back.
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -68,9 +72,28 @@ inline void store_fence() {
 #endif
 }
 
-// Rows per parallel task: at least 64 KB of traffic, so waking the second thread pays off.
-inline int64_t grain_rows(int64_t row_bytes) {
-  return std::max<int64_t>(1, (int64_t{64} << 10) / std::max<int64_t>(row_bytes, 1));
+// f(begin, end) over [0, rows) in chunks of about 256 KB (at least 8 chunks per thread when there are
+// enough rows), on at::parallel_for's threads; serial below 64 KB in all, where waking a thread costs
+// more than it saves. Every chunk ends with store_fence() for the streamed rows.
+template <typename F>
+void parallel_rows(int64_t rows, int64_t row_bytes, const F& f) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t bytes = std::max<int64_t>(row_bytes, 1);
+  if (rows * bytes < (int64_t{64} << 10) || threads == 1) {
+    f(0, rows);
+    store_fence();
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(
+      1, std::min<int64_t>((int64_t{256} << 10) / bytes, (rows + 8 * threads - 1) / (8 * threads)));
+  const int64_t chunks = (rows + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      f(c * chunk, std::min(rows, (c + 1) * chunk));
+      store_fence();
+    }
+  });
 }
 
 }  // namespace commweave

@@ -9,6 +9,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <immintrin.h>
+
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -19,5 +21,6 @@
 
 #pragma GCC target("avx2,f16c")
 #define COMMWEAVE_CPU_ISA avx2
+#define COMMWEAVE_CPU_AVX2 1
 #include "kernels_cpu_impl.h"
 #endif

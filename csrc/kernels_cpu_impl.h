@@ -39,13 +39,14 @@ void gather_sum(const T* grad, const int32_t* idx, const int32_t* loc, T* out, i
       }
       const int64_t live = rows::token_routes<T, A>(s, idx, loc, nullptr, k, num_tokens, num_experts,
                                                     capacity, grad, d_model, routes.data(), nullptr);
+      T* dst = out + s * d_model;
       if (live == 0) {
-        stream_zero(out + s * d_model, bytes);
+        stream_zero(dst, bytes);
       } else if (live == 1) {
-        stream_copy(out + s * d_model, routes[0], bytes);  // a single route is a copy, exactly
-      } else {
+        stream_copy(dst, routes[0], bytes);  // a single route is a copy, exactly
+      } else if (!rows::fused_sum<false, T, A>(dst, routes.data(), nullptr, live, d_model)) {
         rows::sum_rows<false, T, A>(row.data(), routes.data(), nullptr, live, d_model);
-        stream_copy(out + s * d_model, row.data(), bytes);
+        stream_copy(dst, row.data(), bytes);
       }
     }
   });
@@ -67,11 +68,12 @@ void weighted_sum(const T* expert, const int32_t* idx, const int32_t* loc, const
       }
       const int64_t live = rows::token_routes(s, idx, loc, gates, k, num_tokens, num_experts, capacity,
                                               expert, d_model, routes.data(), weights.data());
+      T* dst = out + s * d_model;
       if (live == 0) {
-        stream_zero(out + s * d_model, bytes);
-      } else {
+        stream_zero(dst, bytes);
+      } else if (!rows::fused_sum<true>(dst, routes.data(), weights.data(), live, d_model)) {
         rows::sum_rows<true>(row.data(), routes.data(), weights.data(), live, d_model);
-        stream_copy(out + s * d_model, row.data(), bytes);
+        stream_copy(dst, row.data(), bytes);
       }
     }
   });
@@ -105,12 +107,18 @@ void weighted_sum_backward(const T* grad, const T* expert, const int32_t* idx, c
             grad_gates[r] = 0;
           }
         } else if (grad_expert != nullptr) {
+          T* dst = grad_expert + slot * d_model;
+          const T* routed = expert + slot * d_model;
+          if (grad_gates != nullptr &&
+              rows::fused_scale_and_dot(dst, dy, gates[r], routed, d_model, &grad_gates[r])) {
+            continue;
+          }
           if (grad_gates != nullptr) {
-            grad_gates[r] = rows::scale_and_dot(row.data(), dy, gates[r], expert + slot * d_model, d_model);
+            grad_gates[r] = rows::scale_and_dot(row.data(), dy, gates[r], routed, d_model);
           } else {
             rows::scale(row.data(), dy, gates[r], d_model);
           }
-          stream_copy(grad_expert + slot * d_model, row.data(), bytes);
+          stream_copy(dst, row.data(), bytes);
         } else {
           grad_gates[r] = rows::dot(dy, expert + slot * d_model, d_model);
         }

@@ -39,6 +39,35 @@ inline void sum_block(T* __restrict out, const T* const* rows, const A* weights,
   }
 }
 
+// Hand-vectorised "compute a row and stream it out" for a storage/accumulate type pair, where an ISA
+// build has one (rows_bf16_avx2.h); `available` false means the generic loops below write an L1 row
+// that memory_cpu.h's stream_copy then writes out.
+template <typename T, typename A>
+struct Fused {
+  static constexpr bool available = false;
+};
+
+// dst = the sum of sum_rows below, computed and streamed by Fused; false where there is no fused
+// version or it does not apply (alignment, row length, more than four rows).
+template <bool Weighted, typename T, typename A>
+inline bool fused_sum(T* dst, const T* const* rows, const A* weights, int64_t n_rows, int64_t n) {
+  if constexpr (Fused<T, A>::available) {
+    return Fused<T, A>::template sum<Weighted>(dst, rows, weights, n_rows, n);
+  } else {
+    return false;
+  }
+}
+
+// dst = w * dy, streamed, and *dot = <dy, row>, by Fused; false where it does not apply.
+template <typename T, typename A>
+inline bool fused_scale_and_dot(T* dst, const A* dy, A w, const T* row, int64_t n, A* dot) {
+  if constexpr (Fused<T, A>::available) {
+    return Fused<T, A>::scale_and_dot(dst, dy, w, row, n, dot);
+  } else {
+    return false;
+  }
+}
+
 // Term j of a sum: w * row[m] (a rounded product) or the plain widened element.
 template <bool Weighted, typename A, typename T>
 inline A term(const T* __restrict row, A w, int64_t m) {
@@ -181,3 +210,7 @@ inline void prefetch_routes(int64_t s, const int32_t* idx, const int32_t* loc, i
 }
 
 }  // namespace commweave::cpu::COMMWEAVE_CPU_ISA::rows
+
+#ifdef COMMWEAVE_CPU_AVX2
+#include "rows_bf16_avx2.h"
+#endif

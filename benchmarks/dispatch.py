@@ -28,11 +28,12 @@ each output row once):
 plus the int32 indices and locations and the fp32 gates (read once per op) and the gate gradients.
 GB/s in the table is these bytes over each method's median time; "% copy" compares that with the copy.
 
-CPU runs reuse freed memory as a GPU caching allocator does: the benchmark re-executes itself with
-GLIBC_TUNABLES that keep glibc from returning large blocks to the kernel (``--system-allocator`` turns
-this off). Otherwise every fresh 100+ MB buffer costs a page fault per 4 KB page (on the VMs seen here,
-clone() ran at 5 GB/s against copy_'s 25 GB/s) and all methods would be timing the kernel's page
-clearing. The last line is one JSON object with the ratios.
+CPU runs give every method the memory a GPU caching allocator gives: the benchmark re-executes itself
+with GLIBC_TUNABLES that keep glibc from returning freed blocks to the kernel, and with torch's
+THP_MEM_ALLOC_ENABLE=1, which backs large buffers with 2 MB pages (``--system-allocator`` turns both
+off). Otherwise every fresh 100+ MB buffer costs a page fault per 4 KB page (on the VMs seen here,
+clone() ran at 5 GB/s against copy_'s 25 GB/s), every random row a TLB miss, and all methods would be
+timing the kernel's page handling. The last line is one JSON object with the ratios.
 """
 
 from __future__ import annotations
@@ -189,6 +190,12 @@ def _clock(device: str):
     return timed
 
 
+def _isa() -> str:
+    from ds_plugins import dispatch
+
+    return f"CPU kernels {dispatch._C.CPU_ISA}, " if dispatch._C is not None else ""
+
+
 def run(args) -> dict:
     from tqdm import tqdm
 
@@ -216,10 +223,12 @@ def run(args) -> dict:
             del steps, case
     load_after = os.getloadavg()
 
+    allocator = "system" if "GLIBC_TUNABLES" not in os.environ else (
+        f"reuse{'+thp' if os.environ.get('THP_MEM_ALLOC_ENABLE') == '1' else ''}")
     print(f"\ndispatch+combine forward+backward on {args.device} (backend {backend(args.device)!r}, "
-          f"{torch.get_num_threads()} threads): S={args.tokens} M={args.model} E={args.experts} k={args.k} "
-          f"cf={args.capacity_factor}; median of {args.repeats}; load {load_before[0]:.2f} -> "
-          f"{load_after[0]:.2f}")
+          f"{_isa()}{torch.get_num_threads()} threads, {allocator} allocator): S={args.tokens} "
+          f"M={args.model} E={args.experts} k={args.k} cf={args.capacity_factor}; median of {args.repeats}; "
+          f"load {load_before[0]:.2f} -> {load_after[0]:.2f}")
     ratios = {}
     for dtype, (case, medians) in results.items():
         moved = case.must_move_bytes()
@@ -234,10 +243,9 @@ def run(args) -> dict:
                          "vs_megatron": round(medians["megatron"] / medians["ours"], 3),
                          "copy_fraction": round(medians["copy"] / medians["ours"], 3),
                          "ours_ms": round(medians["ours"] * 1e3, 3)}
+    shape = {"S": args.tokens, "M": args.model, "E": args.experts, "k": args.k, "cf": args.capacity_factor}
     summary = {"benchmark": "dispatch", "device": args.device, "backend": backend(args.device),
-               "threads": torch.get_num_threads(), "shape": {"S": args.tokens, "M": args.model,
-                                                             "E": args.experts, "k": args.k,
-                                                             "cf": args.capacity_factor},
+               "threads": torch.get_num_threads(), "allocator": allocator, "shape": shape,
                "load": [round(load_before[0], 2), round(load_after[0], 2)], "ratios": ratios}
     print(json.dumps(summary))
     return summary
@@ -267,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if (args.device == "cpu" and not args.system_allocator and "GLIBC_TUNABLES" not in os.environ
             and platform.libc_ver()[0] == "glibc" and argv is None):
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.dispatch", *sys.argv[1:]],
-                  {**os.environ, "GLIBC_TUNABLES": _TUNABLES})
+                  {"THP_MEM_ALLOC_ENABLE": "1", **os.environ, "GLIBC_TUNABLES": _TUNABLES})
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device visible")
     if args.k < 2 or math.ceil(args.tokens * args.k * args.capacity_factor / args.experts) < 1:

@@ -202,15 +202,16 @@ def run(args) -> dict:
     from ds_plugins.dispatch import backend
 
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    methods = {name: METHODS[name] for name in METHODS if name in args.methods.split(",")}
     timed = _clock(args.device)
     load_before = os.getloadavg()
     results = {}
-    with tqdm(total=len(dtypes) * len(METHODS) * (args.warmup + args.repeats), desc="dispatch bench",
+    with tqdm(total=len(dtypes) * len(methods) * (args.warmup + args.repeats), desc="dispatch bench",
               disable=args.no_progress, file=sys.stderr) as bar:
         for dtype in dtypes:
             case = make_case(args.tokens, args.model, args.experts, args.k, args.capacity_factor, dtype,
                              args.device)
-            steps = {name: make(case) for name, make in METHODS.items()}
+            steps = {name: make(case) for name, make in methods.items()}
             times = {name: [] for name in steps}
             for i in range(args.warmup + args.repeats):
                 for name, step in steps.items():
@@ -239,10 +240,10 @@ def run(args) -> dict:
         for name, seconds in medians.items():
             print(f"{name:<10} {seconds * 1e3:9.2f} {moved / seconds / 1e9:8.2f} "
                   f"{100 * moved / seconds / copy_bw:7.1f} {seconds / medians['ours']:7.2f}")
-        ratios[dtype] = {"vs_deepspeed": round(medians["deepspeed"] / medians["ours"], 3),
-                         "vs_megatron": round(medians["megatron"] / medians["ours"], 3),
-                         "copy_fraction": round(medians["copy"] / medians["ours"], 3),
-                         "ours_ms": round(medians["ours"] * 1e3, 3)}
+        ratio_names = {"deepspeed": "vs_deepspeed", "megatron": "vs_megatron", "copy": "copy_fraction"}
+        ratios[dtype] = {key: round(medians[name] / medians["ours"], 3)
+                         for name, key in ratio_names.items() if name in medians}
+        ratios[dtype]["ours_ms"] = round(medians["ours"] * 1e3, 3)
     shape = {"S": args.tokens, "M": args.model, "E": args.experts, "k": args.k, "cf": args.capacity_factor}
     summary = {"benchmark": "dispatch", "device": args.device, "backend": backend(args.device),
                "threads": torch.get_num_threads(), "allocator": allocator, "shape": shape,
@@ -260,6 +261,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=2, help="routes per token")
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma-separated subset of ours,deepspeed,megatron,copy (ours and copy always run)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats (default 15 CPU, 50 CUDA)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -270,6 +273,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict | None:
     args = _parser().parse_args(argv)
+    args.methods = ",".join(sorted({*args.methods.split(","), "ours", "copy"}))
+    unknown = set(args.methods.split(",")) - set(METHODS)
+    if unknown:
+        sys.exit(f"--methods: unknown {sorted(unknown)}; choose from {','.join(METHODS)}")
     if args.repeats is None:
         args.repeats = 50 if args.device == "cuda" else 15
     if (args.device == "cpu" and not args.system_allocator and "GLIBC_TUNABLES" not in os.environ

@@ -28,11 +28,12 @@ each output row once):
 plus the int32 indices and locations and the fp32 gates (read once per op) and the gate gradients.
 GB/s in the table is these bytes over each method's median time; "% copy" compares that with the copy.
 
-CPU runs reuse freed memory as a GPU caching allocator does: the benchmark re-executes itself with
-GLIBC_TUNABLES that keep glibc from returning large blocks to the kernel (``--system-allocator`` turns
-this off). Otherwise every fresh 100+ MB buffer costs a page fault per 4 KB page (on the VMs seen here,
-clone() ran at 5 GB/s against copy_'s 25 GB/s) and all methods would be timing the kernel's page
-clearing. The last line is one JSON object with the ratios.
+CPU runs give every method the memory a GPU caching allocator gives: the benchmark re-executes itself
+with GLIBC_TUNABLES that keep glibc from returning freed blocks to the kernel, and with torch's
+THP_MEM_ALLOC_ENABLE=1, which backs large buffers with 2 MB pages (``--system-allocator`` turns both
+off). Otherwise every fresh 100+ MB buffer costs a page fault per 4 KB page (on the VMs seen here,
+clone() ran at 5 GB/s against copy_'s 25 GB/s), every random row a TLB miss, and all methods would be
+timing the kernel's page handling. The last line is one JSON object with the ratios.
 """
 
 from __future__ import annotations
@@ -189,21 +190,28 @@ def _clock(device: str):
     return timed
 
 
+def _isa() -> str:
+    from ds_plugins import dispatch
+
+    return f"CPU kernels {dispatch._C.CPU_ISA}, " if dispatch._C is not None else ""
+
+
 def run(args) -> dict:
     from tqdm import tqdm
 
     from ds_plugins.dispatch import backend
 
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    methods = {name: METHODS[name] for name in METHODS if name in args.methods.split(",")}
     timed = _clock(args.device)
     load_before = os.getloadavg()
     results = {}
-    with tqdm(total=len(dtypes) * len(METHODS) * (args.warmup + args.repeats), desc="dispatch bench",
+    with tqdm(total=len(dtypes) * len(methods) * (args.warmup + args.repeats), desc="dispatch bench",
               disable=args.no_progress, file=sys.stderr) as bar:
         for dtype in dtypes:
             case = make_case(args.tokens, args.model, args.experts, args.k, args.capacity_factor, dtype,
                              args.device)
-            steps = {name: make(case) for name, make in METHODS.items()}
+            steps = {name: make(case) for name, make in methods.items()}
             times = {name: [] for name in steps}
             for i in range(args.warmup + args.repeats):
                 for name, step in steps.items():
@@ -216,10 +224,12 @@ def run(args) -> dict:
             del steps, case
     load_after = os.getloadavg()
 
+    allocator = "system" if "GLIBC_TUNABLES" not in os.environ else (
+        f"reuse{'+thp' if os.environ.get('THP_MEM_ALLOC_ENABLE') == '1' else ''}")
     print(f"\ndispatch+combine forward+backward on {args.device} (backend {backend(args.device)!r}, "
-          f"{torch.get_num_threads()} threads): S={args.tokens} M={args.model} E={args.experts} k={args.k} "
-          f"cf={args.capacity_factor}; median of {args.repeats}; load {load_before[0]:.2f} -> "
-          f"{load_after[0]:.2f}")
+          f"{_isa()}{torch.get_num_threads()} threads, {allocator} allocator): S={args.tokens} "
+          f"M={args.model} E={args.experts} k={args.k} cf={args.capacity_factor}; median of {args.repeats}; "
+          f"load {load_before[0]:.2f} -> {load_after[0]:.2f}")
     ratios = {}
     for dtype, (case, medians) in results.items():
         moved = case.must_move_bytes()
@@ -230,14 +240,13 @@ def run(args) -> dict:
         for name, seconds in medians.items():
             print(f"{name:<10} {seconds * 1e3:9.2f} {moved / seconds / 1e9:8.2f} "
                   f"{100 * moved / seconds / copy_bw:7.1f} {seconds / medians['ours']:7.2f}")
-        ratios[dtype] = {"vs_deepspeed": round(medians["deepspeed"] / medians["ours"], 3),
-                         "vs_megatron": round(medians["megatron"] / medians["ours"], 3),
-                         "copy_fraction": round(medians["copy"] / medians["ours"], 3),
-                         "ours_ms": round(medians["ours"] * 1e3, 3)}
+        ratio_names = {"deepspeed": "vs_deepspeed", "megatron": "vs_megatron", "copy": "copy_fraction"}
+        ratios[dtype] = {key: round(medians[name] / medians["ours"], 3)
+                         for name, key in ratio_names.items() if name in medians}
+        ratios[dtype]["ours_ms"] = round(medians["ours"] * 1e3, 3)
+    shape = {"S": args.tokens, "M": args.model, "E": args.experts, "k": args.k, "cf": args.capacity_factor}
     summary = {"benchmark": "dispatch", "device": args.device, "backend": backend(args.device),
-               "threads": torch.get_num_threads(), "shape": {"S": args.tokens, "M": args.model,
-                                                             "E": args.experts, "k": args.k,
-                                                             "cf": args.capacity_factor},
+               "threads": torch.get_num_threads(), "allocator": allocator, "shape": shape,
                "load": [round(load_before[0], 2), round(load_after[0], 2)], "ratios": ratios}
     print(json.dumps(summary))
     return summary
@@ -252,6 +261,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=2, help="routes per token")
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma-separated subset of ours,deepspeed,megatron,copy (ours and copy always run)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats (default 15 CPU, 50 CUDA)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -262,12 +273,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict | None:
     args = _parser().parse_args(argv)
+    args.methods = ",".join(sorted({*args.methods.split(","), "ours", "copy"}))
+    unknown = set(args.methods.split(",")) - set(METHODS)
+    if unknown:
+        sys.exit(f"--methods: unknown {sorted(unknown)}; choose from {','.join(METHODS)}")
     if args.repeats is None:
         args.repeats = 50 if args.device == "cuda" else 15
     if (args.device == "cpu" and not args.system_allocator and "GLIBC_TUNABLES" not in os.environ
             and platform.libc_ver()[0] == "glibc" and argv is None):
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.dispatch", *sys.argv[1:]],
-                  {**os.environ, "GLIBC_TUNABLES": _TUNABLES})
+                  {"THP_MEM_ALLOC_ENABLE": "1", **os.environ, "GLIBC_TUNABLES": _TUNABLES})
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device visible")
     if args.k < 2 or math.ceil(args.tokens * args.k * args.capacity_factor / args.experts) < 1:

@@ -8,6 +8,7 @@
 
 #include "combine.h"
 #include "dispatch.h"
+#include "kernels_cpu.h"
 
 TORCH_LIBRARY(commweave, m) {
   m.set_python_module("ds_plugins.dispatch");
@@ -39,7 +40,8 @@ extern "C" PyObject* PyInit__C(void) {
       PyModuleDef_HEAD_INIT, "_C",
       "commweave's fused MoE dispatch/combine kernels; the ops are torch.ops.commweave.*", -1, nullptr};
   PyObject* m = PyModule_Create(&module);
-  if (m != nullptr && PyModule_AddIntConstant(m, "WITH_CUDA", COMMWEAVE_CUDA_KERNELS) != 0) {
+  if (m != nullptr && (PyModule_AddIntConstant(m, "WITH_CUDA", COMMWEAVE_CUDA_KERNELS) != 0 ||
+                       PyModule_AddStringConstant(m, "CPU_ISA", commweave::cpu::kernels().isa) != 0)) {
     Py_DECREF(m);
     return nullptr;
   }

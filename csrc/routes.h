@@ -12,7 +12,6 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -89,10 +88,5 @@ inline std::vector<int32_t> slot_owners(const int32_t* indices, const int32_t* l
 enum RouteFault : int64_t { kBadIndex = 1, kBadLocation = 2, kCollision = 3 };
 std::vector<int64_t> find_route_fault_cpu(const at::Tensor& indices, const at::Tensor& locations,
                                       int64_t num_experts, int64_t capacity);
-
-// Rows per parallel task: at least 64 KB of traffic, so waking the second thread pays off.
-inline int64_t grain_rows(int64_t row_bytes) {
-  return std::max<int64_t>(1, (int64_t{64} << 10) / std::max<int64_t>(row_bytes, 1));
-}
 
 }  // namespace commweave

@@ -1,17 +1,20 @@
 // Row loops of the CPU kernels: a row is M contiguous elements of the model dim. The loops are plain
-// element-wise code that the compiler vectorises (the reduction through `omp simd`). There is no fused
-// multiply-add: a product is rounded before it is summed, as in torch's mul-then-sum, so fp32 results
-// match deepspeed's bit for bit.
+// element-wise code that the compiler vectorises for the ISA of the including file (kernels_cpu.h).
+// There is no fused multiply-add: a product is rounded before it is summed, as in torch's
+// mul-then-sum, so fp32 results match deepspeed's bit for bit.
 #pragma once
+#ifndef COMMWEAVE_CPU_ISA
+#error "rows_cpu.h is included by kernels_cpu_impl.h, which names the ISA namespace"
+#endif
 
 #include "routes.h"
 
 #include <cstdint>
 #include <cstring>
 
-namespace commweave::rows {
+namespace commweave::cpu::COMMWEAVE_CPU_ISA::rows {
 
-// Elements per block of sum_rows: the block's accumulators stay in vector registers while the
+// Elements per block of sum_rows beyond four rows: the block's accumulators stay close while the
 // token's routes stream through, so each output element is written once, rounded once.
 constexpr int64_t kBlock = 32;
 
@@ -36,13 +39,83 @@ inline void sum_block(T* __restrict out, const T* const* rows, const A* weights,
   }
 }
 
-// out = sum_j weights[j] * rows[j] (or the plain sum when !Weighted), summed in order j = 0, 1, ...
-// in the accumulate type A and rounded once; zeros when n_rows == 0.
+// Hand-vectorised "compute a row and stream it out" for a storage/accumulate type pair, where an ISA
+// build has one (rows_bf16_avx2.h); `available` false means the generic loops below write an L1 row
+// that memory_cpu.h's stream_copy then writes out.
+template <typename T, typename A>
+struct Fused {
+  static constexpr bool available = false;
+};
+
+// dst = the sum of sum_rows below, computed and streamed by Fused; false where there is no fused
+// version or it does not apply (alignment, row length, more than four rows).
 template <bool Weighted, typename T, typename A>
-inline void sum_rows(T* out, const T* const* rows, const A* weights, int64_t n_rows, int64_t n) {
-  if (n_rows == 0) {
-    std::memset(out, 0, n * sizeof(T));
-    return;
+inline bool fused_sum(T* dst, const T* const* rows, const A* weights, int64_t n_rows, int64_t n) {
+  if constexpr (Fused<T, A>::available) {
+    return Fused<T, A>::template sum<Weighted>(dst, rows, weights, n_rows, n);
+  } else {
+    return false;
+  }
+}
+
+// dst = w * dy, streamed, and *dot = <dy, row>, by Fused; false where it does not apply.
+template <typename T, typename A>
+inline bool fused_scale_and_dot(T* dst, const A* dy, A w, const T* row, int64_t n, A* dot) {
+  if constexpr (Fused<T, A>::available) {
+    return Fused<T, A>::scale_and_dot(dst, dy, w, row, n, dot);
+  } else {
+    return false;
+  }
+}
+
+// Term j of a sum: w * row[m] (a rounded product) or the plain widened element.
+template <bool Weighted, typename A, typename T>
+inline A term(const T* __restrict row, A w, int64_t m) {
+  return Weighted ? w * static_cast<A>(row[m]) : static_cast<A>(row[m]);
+}
+
+// out = sum_j weights[j] * rows[j] (or the plain sum when !Weighted), summed in order j = 0, 1, ...
+// in the accumulate type A and rounded once; zeros when n_rows == 0. Up to four rows (every top-k
+// gate of DeepSpeed up to k = 4) are one element-wise loop the compiler keeps in vector registers;
+// more go block by block.
+template <bool Weighted, typename T, typename A>
+inline void sum_rows(T* __restrict out, const T* const* rows, const A* weights, int64_t n_rows, int64_t n) {
+  const T* __restrict r0 = n_rows > 0 ? rows[0] : nullptr;
+  const T* __restrict r1 = n_rows > 1 ? rows[1] : nullptr;
+  const T* __restrict r2 = n_rows > 2 ? rows[2] : nullptr;
+  const T* __restrict r3 = n_rows > 3 ? rows[3] : nullptr;
+  const A w0 = Weighted && n_rows > 0 ? weights[0] : A(1);
+  const A w1 = Weighted && n_rows > 1 ? weights[1] : A(1);
+  const A w2 = Weighted && n_rows > 2 ? weights[2] : A(1);
+  const A w3 = Weighted && n_rows > 3 ? weights[3] : A(1);
+  switch (n_rows) {
+    case 0:
+      std::memset(out, 0, n * sizeof(T));
+      return;
+    case 1:
+      for (int64_t m = 0; m < n; ++m) {
+        out[m] = static_cast<T>(term<Weighted>(r0, w0, m));
+      }
+      return;
+    case 2:
+      for (int64_t m = 0; m < n; ++m) {
+        out[m] = static_cast<T>(term<Weighted>(r0, w0, m) + term<Weighted>(r1, w1, m));
+      }
+      return;
+    case 3:
+      for (int64_t m = 0; m < n; ++m) {
+        out[m] = static_cast<T>(term<Weighted>(r0, w0, m) + term<Weighted>(r1, w1, m) +
+                                term<Weighted>(r2, w2, m));
+      }
+      return;
+    case 4:
+      for (int64_t m = 0; m < n; ++m) {
+        out[m] = static_cast<T>(term<Weighted>(r0, w0, m) + term<Weighted>(r1, w1, m) +
+                                term<Weighted>(r2, w2, m) + term<Weighted>(r3, w3, m));
+      }
+      return;
+    default:
+      break;
   }
   int64_t offset = 0;
   for (; offset + kBlock <= n; offset += kBlock) {
@@ -103,15 +176,6 @@ inline A dot(const A* __restrict a, const T* __restrict row, int64_t n) {
   return sum;
 }
 
-// Ask for a row a few tokens ahead: the gathers jump between random rows of a few KB, too short for
-// the hardware prefetcher to ramp up on its own.
-inline void prefetch(const void* row, int64_t bytes) {
-  const auto* p = static_cast<const char*>(row);
-  for (int64_t off = 0; off < bytes; off += 64) {
-    __builtin_prefetch(p + off);
-  }
-}
-
 // The live routes of token s: their rows in `buffer` [E * C, M] (and their gates, when given),
 // in route order j = 0, 1, ...; returns how many there are.
 template <typename T, typename A>
@@ -140,12 +204,13 @@ inline void prefetch_routes(int64_t s, const int32_t* idx, const int32_t* loc, i
   for (int64_t j = 0; j < k; ++j) {
     const int64_t r = j * num_tokens + s;
     if (idx[r] >= 0 && idx[r] < num_experts && loc[r] >= 0 && loc[r] < capacity) {
-      prefetch(buffer + (idx[r] * capacity + loc[r]) * d_model, d_model * static_cast<int64_t>(sizeof(T)));
+      prefetch_row(buffer + (idx[r] * capacity + loc[r]) * d_model, d_model * static_cast<int64_t>(sizeof(T)));
     }
   }
 }
 
-// Tokens ahead whose rows are prefetched.
-constexpr int64_t kAhead = 2;
+}  // namespace commweave::cpu::COMMWEAVE_CPU_ISA::rows
 
-}  // namespace commweave::rows
+#ifdef COMMWEAVE_CPU_AVX2
+#include "rows_bf16_avx2.h"
+#endif

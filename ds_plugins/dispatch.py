@@ -13,8 +13,9 @@ Three paths, reported by :func:`backend`: ``"cuda"`` and ``"cpu"`` run the kerne
 Every argument is checked before any kernel runs; bad input raises ValueError naming the argument and
 the rule. Two live routes claiming the same (expert, slot) are rejected too: DeepSpeed's gates never
 produce that, and a buffer slot can hold one token. The value checks (index ranges, slot collisions)
-cost a few small reductions over the k·S routes and, on a GPU, one host synchronisation per call; they
-are skipped while torch.compile traces and for meta tensors.
+are one pass over the k·S routes (C++ on the CPU; two small kernels and one copy to the host, i.e. one
+synchronisation, on a GPU); combine reuses dispatch's verdict on the same unmodified route tensors, and
+the checks are skipped while torch.compile traces and for meta tensors.
 """
 
 from __future__ import annotations

@@ -1,7 +1,12 @@
 """The fused dispatch/combine kernels (ds_plugins._C, via ds_plugins.dispatch) against the pure-torch
-reference and DeepSpeed's sparse path: forward, backward, gradcheck in fp64, input checks, and the
-fallback when the extension is missing. CUDA cases run the same checks on a GPU (marked `cuda`)."""
+reference and DeepSpeed's sparse path: forward, backward, low-precision accuracy, gradcheck in fp64,
+on both CPU builds (baseline and AVX2). CUDA cases run the same checks on a GPU (marked `cuda`).
+Input checks and the fallback are in test_dispatch_inputs.py."""
 
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,7 +20,9 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])
 DEVICES = ["cpu", CUDA]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-M = 40  # not a multiple of the vector widths: the kernels' tails run too
+# 40: rows that are no multiple of the vector widths (the loops' tails run); 64: rows of whole cache lines
+# (the CPU kernels stream them out with non-temporal stores).
+D_MODELS = [40, 64]
 
 ROUTES = {
     "top1": lambda: gate_routes(1, 128, 8, 1.0, seed=11),
@@ -31,7 +38,7 @@ def _to(routes: Routes, device) -> Routes:
                   routes.num_experts, routes.capacity)
 
 
-def _data(routes: Routes, dtype, device, seed=0, d_model=M):
+def _data(routes: Routes, dtype, device, d_model, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(routes.num_tokens, d_model, generator=g).to(device, dtype)
     expert_output = torch.randn(routes.num_experts, routes.capacity, d_model, generator=g).to(device, dtype)
@@ -50,12 +57,13 @@ def test_backend_names_the_path():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d_model", D_MODELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ROUTES)
-def test_forward_matches_reference_and_deepspeed(case, dtype, device):
+def test_forward_matches_reference_and_deepspeed(case, dtype, d_model, device):
     _expect_kernels(device)
     routes = _to(ROUTES[case](), device)
-    x, expert_output = _data(routes, dtype, device)
+    x, expert_output = _data(routes, dtype, device, d_model=d_model)
     dispatched = ops.dispatch(x, routes.indices, routes.locations, routes.num_experts, routes.capacity)
     combined = ops.combine(expert_output, routes.indices, routes.locations, routes.gates)
     # The oracles run on the CPU, where torch sums the k routes in order (a GPU reduction may pair them).
@@ -64,19 +72,20 @@ def test_forward_matches_reference_and_deepspeed(case, dtype, device):
     # dispatch is a permutation: bit-exact. combine rounds each gate product, then sums the routes in
     # order in fp32 (fp64), exactly as _sparse_decode does: bit-exact too.
     assert torch.equal(dispatched.cpu(), _sparse_encode(x, slots, routes.num_experts, routes.capacity))
-    assert torch.equal(combined.cpu(), _sparse_decode(expert_output.view(-1, M), slots, routes.gates,
+    assert torch.equal(combined.cpu(), _sparse_decode(expert_output.view(-1, d_model), slots, routes.gates,
                                                       routes.num_tokens))
     assert torch.equal(combined.cpu(), reference.combine(expert_output, routes.indices, routes.locations,
                                                          routes.gates))
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d_model", D_MODELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ROUTES)
-def test_backward_matches_the_oracle(case, dtype, device):
+def test_backward_matches_the_oracle(case, dtype, d_model, device):
     _expect_kernels(device)
     routes = _to(ROUTES[case](), device)
-    x, expert_output = _data(routes, dtype, device)
+    x, expert_output = _data(routes, dtype, device, d_model=d_model)
     x.requires_grad_(True)
     expert_output.requires_grad_(True)
     gates = routes.gates.clone().requires_grad_(True)
@@ -121,7 +130,7 @@ def test_low_precision_combine_is_as_accurate_as_fp32_accumulation_allows(dtype,
 def test_non_contiguous_inputs(device):
     _expect_kernels(device)
     routes = _to(random_routes(2, 64, 4, 40, drop=0.2, seed=31), device)
-    x, expert_output = _data(routes, torch.float32, device, d_model=2 * M)
+    x, expert_output = _data(routes, torch.float32, device, d_model=80)
     x, expert_output = x[:, ::2], expert_output.transpose(0, 1).contiguous().transpose(0, 1)[..., ::2]
     indices = torch.stack([routes.indices, routes.indices], -1)[..., 0]
     locations = routes.locations.t().contiguous().t()
@@ -162,3 +171,22 @@ def test_empty_shapes():
     dropped = torch.full((1, 4), -1, dtype=torch.int32)
     y = ops.combine(torch.ones(2, 0, 8), dropped, dropped, torch.ones(1, 4))
     assert torch.equal(y, torch.zeros(4, 8))
+
+
+def test_cpu_isa_is_the_one_asked_for():
+    _expect_kernels("cpu")
+    assert ops._C.CPU_ISA in ("base", "avx2")
+    assert os.environ.get("COMMWEAVE_CPU_ISA", ops._C.CPU_ISA) == ops._C.CPU_ISA
+
+
+def test_baseline_cpu_kernels_pass_the_cpu_tests_too():
+    """The CPU kernels are built for the baseline ISA and for AVX2 + F16C; the tests above run the build
+    this CPU picks. This reruns them on the baseline build (COMMWEAVE_CPU_ISA=base)."""
+    _expect_kernels("cpu")
+    if os.environ.get("COMMWEAVE_CPU_ISA") == "base":
+        pytest.skip("already running the baseline build")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "cpu and not baseline"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "COMMWEAVE_CPU_ISA": "base"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout

@@ -8,7 +8,10 @@
 
 #include "routes.h"
 
+#include <ATen/ops/empty.h>
+
 #include <tuple>
+#include <vector>
 
 namespace commweave {
 
@@ -30,6 +33,32 @@ inline void check_combine(const at::Tensor& expert_output, const at::Tensor& ind
 inline at::ScalarType combine_acc_type(const at::Tensor& expert_output, const at::Tensor& gates) {
   return expert_output.scalar_type() == at::kDouble || gates.scalar_type() == at::kDouble ? at::kDouble
                                                                                          : at::kFloat;
+}
+
+// The operands every device's combine and backward run on: contiguous, gates in the accumulation dtype.
+struct CombineOperands {
+  at::Tensor expert, idx, loc, gates_acc;
+  at::ScalarType acc_type;
+  int64_t num_experts, capacity, d_model, k, num_tokens;
+};
+
+inline CombineOperands combine_operands(const at::Tensor& expert_output, const at::Tensor& indices,
+                                        const at::Tensor& locations, const at::Tensor& gates) {
+  const auto acc_type = combine_acc_type(expert_output, gates);
+  auto expert = expert_output.contiguous();
+  auto idx = indices.contiguous();
+  return {expert,         idx,            locations.contiguous(), gates.to(acc_type).contiguous(), acc_type,
+          expert.size(0), expert.size(1), expert.size(2),         idx.size(0),                     idx.size(1)};
+}
+
+// The backward's outputs, uninitialised; a gradient nobody asked for is empty (the autograd wrapper
+// turns it into None).
+inline std::tuple<at::Tensor, at::Tensor> combine_grad_outputs(const CombineOperands& o, bool need_expert_grad,
+                                                               bool need_gates_grad) {
+  const auto expert_shape = need_expert_grad ? std::vector<int64_t>{o.num_experts, o.capacity, o.d_model}
+                                             : std::vector<int64_t>{0};
+  const auto gates_shape = need_gates_grad ? std::vector<int64_t>{o.k, o.num_tokens} : std::vector<int64_t>{0};
+  return {at::empty(expert_shape, o.expert.options()), at::empty(gates_shape, o.gates_acc.options())};
 }
 
 inline void check_combine_backward(const at::Tensor& grad, const at::Tensor& expert_output,

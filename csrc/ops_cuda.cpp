@@ -125,17 +125,12 @@ at::Tensor combine_cuda(const at::Tensor& expert_output, const at::Tensor& indic
   check_cuda(expert_output, "expert_output");
   const c10::cuda::CUDAGuard guard(expert_output.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const auto expert = expert_output.contiguous();
-  const auto idx = indices.contiguous();
-  const auto loc = locations.contiguous();
-  const auto acc_type = combine_acc_type(expert_output, gates);
-  const auto gates_acc = gates.to(acc_type).contiguous();
-  const int64_t num_tokens = idx.size(1), d_model = expert.size(2);
-  auto out = at::empty({num_tokens, d_model}, expert.options());
+  const auto o = combine_operands(expert_output, indices, locations, gates);
+  auto out = at::empty({o.num_tokens, o.d_model}, o.expert.options());
   COMMWEAVE_CUDA_CALL(cuda::launch_combine(
-      dtype_of(expert), acc_type == at::kDouble, expert.const_data_ptr(), idx.const_data_ptr<int32_t>(),
-      loc.const_data_ptr<int32_t>(), gates_acc.const_data_ptr(), out.mutable_data_ptr(), idx.size(0),
-      num_tokens, d_model, expert.size(0), expert.size(1), stream));
+      dtype_of(o.expert), o.acc_type == at::kDouble, o.expert.const_data_ptr(), o.idx.const_data_ptr<int32_t>(),
+      o.loc.const_data_ptr<int32_t>(), o.gates_acc.const_data_ptr(), out.mutable_data_ptr(), o.k, o.num_tokens,
+      o.d_model, o.num_experts, o.capacity, stream));
   return out;
 }
 
@@ -150,30 +145,19 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_cuda(const at::Tensor& grad,
   const c10::cuda::CUDAGuard guard(expert_output.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto grad_c = grad.contiguous();
-  const auto expert = expert_output.contiguous();
-  const auto idx = indices.contiguous();
-  const auto loc = locations.contiguous();
-  const auto acc_type = combine_acc_type(expert_output, gates);
-  const auto gates_acc = gates.to(acc_type).contiguous();
-  const int64_t num_experts = expert.size(0), capacity = expert.size(1), d_model = expert.size(2);
-  const int64_t k = idx.size(0), num_tokens = idx.size(1);
-  // A gradient nobody asked for is returned empty (the autograd wrapper turns it into None).
-  const auto expert_shape = need_expert_grad ? std::vector<int64_t>{num_experts, capacity, d_model}
-                                             : std::vector<int64_t>{0};
-  const auto gates_shape = need_gates_grad ? std::vector<int64_t>{k, num_tokens} : std::vector<int64_t>{0};
-  auto grad_expert = at::empty(expert_shape, expert.options());
-  auto grad_gates = at::empty(gates_shape, gates_acc.options());
+  const auto o = combine_operands(expert_output, indices, locations, gates);
+  auto [grad_expert, grad_gates] = combine_grad_outputs(o, need_expert_grad, need_gates_grad);
   COMMWEAVE_CUDA_CALL(cuda::launch_combine_backward(
-      dtype_of(expert), acc_type == at::kDouble, grad_c.const_data_ptr(), expert.const_data_ptr(),
-      idx.const_data_ptr<int32_t>(), loc.const_data_ptr<int32_t>(), gates_acc.const_data_ptr(),
+      dtype_of(o.expert), o.acc_type == at::kDouble, grad_c.const_data_ptr(), o.expert.const_data_ptr(),
+      o.idx.const_data_ptr<int32_t>(), o.loc.const_data_ptr<int32_t>(), o.gates_acc.const_data_ptr(),
       need_expert_grad ? grad_expert.mutable_data_ptr() : nullptr,
-      need_gates_grad ? grad_gates.mutable_data_ptr() : nullptr, k, num_tokens, d_model, num_experts,
-      capacity, stream));
+      need_gates_grad ? grad_gates.mutable_data_ptr() : nullptr, o.k, o.num_tokens, o.d_model, o.num_experts,
+      o.capacity, stream));
   if (need_expert_grad) {
-    const auto owner = slot_owners_cuda(idx, loc, num_experts, capacity, stream);
+    const auto owner = slot_owners_cuda(o.idx, o.loc, o.num_experts, o.capacity, stream);
     COMMWEAVE_CUDA_CALL(cuda::launch_zero_unowned(owner.const_data_ptr<int32_t>(), grad_expert.mutable_data_ptr(),
-                                                  num_experts * capacity, d_model * expert.element_size(),
-                                                  stream));
+                                                  o.num_experts * o.capacity,
+                                                  o.d_model * o.expert.element_size(), stream));
   }
   return {grad_expert, need_gates_grad ? grad_gates.to(gates.scalar_type()) : grad_gates};
 }

@@ -139,7 +139,8 @@ def _step(layer, x, go) -> None:
 
 
 def _compute_only(layer, x, go) -> None:
-    """An S2 layer's local work with its exchanges replaced by local reshapes of the same sizes."""
+    """An S2 layer's local work with its exchanges replaced by local reshapes of the same sizes; the
+    experts run on the filled rows only (fill_e of this rank's own buffer stands for every source's)."""
     from ds_plugins import experts, routing
     from ds_plugins.dispatch import combine, dispatch
 
@@ -147,10 +148,15 @@ def _compute_only(layer, x, go) -> None:
     r = routing.route(layer.gate, x)
     buf = dispatch(x, r.indices, r.locations, e, r.capacity)                    # [E, C, M]
     e_l, c, m = e // g.ep_size, r.capacity, x.shape[1]
-    h = buf.view(g.ep_size, e_l, c, m).transpose(0, 1).reshape(e_l, g.ep_size * c, m)
-    y = experts.partial_sums(layer.local_experts, h, g.esp_size)
-    y = y.view(e_l, g.ep_size, c, m).transpose(0, 1).reshape(e, c, m)
-    ((combine(y, r.indices, r.locations, r.gates) * go).sum() + r.l_aux).backward()
+    fill = routing.fill(r, e).tolist() if layer.skip_empty_slots else [c] * e
+    blocks = buf.view(g.ep_size, e_l, c, m)
+    hs = [torch.cat([blocks[q, j, :fill[q * e_l + j]] for q in range(g.ep_size)]) for j in range(e_l)]
+    ys = experts.partial_sums(layer.local_experts, hs, g.esp_size)
+    out = buf.new_zeros(g.ep_size, e_l, c, m)
+    for j, y in enumerate(ys):
+        for q, part in enumerate(y.split([fill[q * e_l + j] for q in range(g.ep_size)])):
+            out[q, j, :part.shape[0]] = part
+    ((combine(out.view(e, c, m), r.indices, r.locations, r.gates) * go).sum() + r.l_aux).backward()
 
 
 _MPUS: dict[int, object] = {}

@@ -31,17 +31,20 @@ from tests.ds_plugins.deepspeed_oracle import (
 S, M, H, E = 24, 8, 16, 8
 F32 = 4
 
-# (name, schedule, k, drop_tokens, capacity_factor, top2 sampling, overlap chunks)
+# (name, schedule, k, drop_tokens, capacity_factor, top2 sampling, overlap chunks, skip empty slots)
 CASES = [
-    ("s2-k1-drop", "s2", 1, True, 1.0, True, 2),
-    ("s2-k2-drop", "s2", 2, True, 1.25, True, 3),
-    ("s2-k2-nodrop", "s2", 2, False, 1.0, True, 4),
-    ("s1-k1-nodrop", "s1", 1, False, 1.0, False, 2),
-    ("s1-k2-drop-nonbinding", "s1", 2, True, 4.0, False, 4),
-    ("s1-k2-nodrop", "s1", 2, False, 1.0, False, 1),
-    ("deepspeed-k1-drop", "deepspeed", 1, True, 1.0, True, 1),
-    ("deepspeed-k2-drop", "deepspeed", 2, True, 1.25, True, 1),
-    ("deepspeed-k2-nodrop", "deepspeed", 2, False, 1.0, True, 1),
+    ("s2-k1-drop", "s2", 1, True, 1.0, True, 2, True),
+    ("s2-k2-drop", "s2", 2, True, 1.25, True, 3, True),
+    ("s2-k2-drop-all-slots", "s2", 2, True, 1.25, True, 3, False),
+    ("s2-k2-nodrop", "s2", 2, False, 1.0, True, 4, True),
+    ("s1-k1-nodrop", "s1", 1, False, 1.0, False, 2, True),
+    ("s1-k2-drop-nonbinding", "s1", 2, True, 4.0, False, 4, True),
+    ("s1-k2-drop-nonbinding-all-slots", "s1", 2, True, 4.0, False, 4, False),
+    ("s1-k2-nodrop", "s1", 2, False, 1.0, False, 1, True),
+    ("deepspeed-k1-drop", "deepspeed", 1, True, 1.0, True, 1, True),
+    ("deepspeed-k2-drop", "deepspeed", 2, True, 1.25, True, 1, True),
+    ("deepspeed-k2-drop-all-slots", "deepspeed", 2, True, 1.25, True, 1, False),
+    ("deepspeed-k2-nodrop", "deepspeed", 2, False, 1.0, True, 1, True),
 ]
 
 
@@ -69,13 +72,14 @@ def _run(layer, x, go):
 
 
 def _compare(tp: int, ep: int, shard: bool, case) -> dict:
-    _, schedule, k, drop, cf, sampling, chunks = case
+    _, schedule, k, drop, cf, sampling, chunks, skip = case
     w = Weights.random(E, M, H)
     x, go = _inputs()
     kw = dict(k=k, capacity_factor=cf, eval_capacity_factor=cf, min_capacity=0, drop_tokens=drop,
               top2_2nd_expert_sampling=sampling)
     parm = ParmMoE(M, mlp(M, H), num_experts=E, ep_size=ep, enable_expert_tensor_parallelism=shard,
-                   schedule=schedule, overlap_chunks=chunks, debug=schedule == "s2", **kw)
+                   schedule=schedule, overlap_chunks=chunks, skip_empty_slots=skip, debug=schedule == "s2",
+                   **kw)
     load_parm(parm, w)
     parm.set_deepspeed_parallelism()
     got = _run(parm, x, go)
@@ -153,7 +157,7 @@ def test_schedules_equal_deepspeed_moe(world, ranks, tp, ep, shard):
 @pytest.mark.world_size(4)
 def test_unsharded_experts_with_tensor_parallel_attention(world):
     """ESP = 1 with tp = 2 (enable_expert_tensor_parallelism off): DeepSpeed's legacy EP groups."""
-    names = ["s2-k2-drop", "s1-k2-nodrop", "deepspeed-k1-drop"]
+    names = ["s2-k2-drop", "s2-k2-drop-all-slots", "s1-k2-nodrop", "deepspeed-k1-drop"]
     for rank, res in enumerate(world.run(_compare_all, 2, 2, False, names)):
         for name, err in res.items():
             assert err["counts_equal"], (rank, name, err)

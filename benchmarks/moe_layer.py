@@ -12,8 +12,11 @@ capacity factor 1.25, fp32, 4 overlap chunks. Rows:
     parm deepspeed   ParmMoE, schedule "deepspeed": the order Parm was measured against (§2.1)
     parm s1 / s2     ParmMoE, Parm's schedules (§2.3, §2.4) with the chunked overlap (§2.6)
     parm auto        ParmMoE, "auto" (its one-off micro-benchmark runs in the warm-up)
-    compute only     the hardware limit of any schedule: the same gate, dispatch, sharded experts (same slots,
-                     FFN / tp columns) and combine on every rank, with no communication at all
+    ... all slots    the same schedule with skip_empty_slots off: the experts run on all E·C capacity slots,
+                     as DeepSpeed's do; the pair shows how much of the gain is skipping the empty slots
+                     (at most 1/f of them hold a token) and how much the schedule
+    compute only     the hardware limit of any schedule: the same gate, dispatch, sharded experts (filled
+                     rows, FFN / tp columns) and combine on every rank, with no communication at all
 
 Each row: median over iterations (rows interleaved) of the slowest rank's time, bytes per rank per group
 from the ledger (DeepSpeed's collectives counted with commweave.comm.trace_torch_distributed), and the
@@ -56,7 +59,9 @@ class Config:
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ROWS = ("DeepSpeed MoE", "parm deepspeed", "parm s1", "parm s2", "parm auto", "compute only")
+ALL_SLOTS = " all slots"
+ROWS = ("DeepSpeed MoE", "parm deepspeed", "parm deepspeed" + ALL_SLOTS, "parm s1", "parm s1" + ALL_SLOTS,
+        "parm s2", "parm s2" + ALL_SLOTS, "parm auto", "compute only")
 
 
 def _gloo_gather_tokens(input_, dim=0):
@@ -102,7 +107,9 @@ def _layer(row: str, cfg: Config):
         layer = MoE(cfg.hidden, expert, **kw)
     else:
         expert = nn.Sequential(nn.Linear(cfg.hidden, cfg.ffn), nn.GELU(), nn.Linear(cfg.ffn, cfg.hidden))
-        layer = ParmMoE(cfg.hidden, expert, schedule=row.split()[-1], overlap_chunks=cfg.chunks, **kw)
+        skip = not row.endswith(ALL_SLOTS)
+        layer = ParmMoE(cfg.hidden, expert, schedule=row.removesuffix(ALL_SLOTS).split()[-1],
+                        overlap_chunks=cfg.chunks, skip_empty_slots=skip, **kw)
     layer.set_deepspeed_parallelism()
     if cfg.ep > 1:
         comm.set_group_name(layer.deepspeed_moe.ep_group, "ep")  # DeepSpeed's own group, as ParmMoE names it
@@ -139,24 +146,14 @@ def _step(layer, x, go) -> None:
 
 
 def _compute_only(layer, x, go) -> None:
-    """An S2 layer's local work with its exchanges replaced by local reshapes of the same sizes; the
-    experts run on the filled rows only (fill_e of this rank's own buffer stands for every source's)."""
-    from ds_plugins import experts, routing
-    from ds_plugins.dispatch import combine, dispatch
+    """An S2 layer's local work, its groups taken away: the exchanges become local reshapes of the same
+    sizes (this rank's buffer stands for every EP source's, its fill counts for theirs)."""
+    from ds_plugins import overlap, routing, schedules
 
-    g, e = layer.parm_groups, layer.num_experts
-    r = routing.route(layer.gate, x)
-    buf = dispatch(x, r.indices, r.locations, e, r.capacity)                    # [E, C, M]
-    e_l, c, m = e // g.ep_size, r.capacity, x.shape[1]
-    fill = routing.fill(r, e).tolist() if layer.skip_empty_slots else [c] * e
-    blocks = buf.view(g.ep_size, e_l, c, m)
-    hs = [torch.cat([blocks[q, j, :fill[q * e_l + j]] for q in range(g.ep_size)]) for j in range(e_l)]
-    ys = experts.partial_sums(layer.local_experts, hs, g.esp_size)
-    out = buf.new_zeros(g.ep_size, e_l, c, m)
-    for j, y in enumerate(ys):
-        for q, part in enumerate(y.split([fill[q * e_l + j] for q in range(g.ep_size)])):
-            out[q, j, :part.shape[0]] = part
-    ((combine(out.view(e, c, m), r.indices, r.locations, r.gates) * go).sum() + r.l_aux).backward()
+    g, r = layer.parm_groups, routing.route(layer.gate, x)
+    alone = replace(g, mp=None, esp=None, ep=None, mp_size=1, mp_rank=0, esp_size=1, esp_rank=0)
+    lay = overlap.Layout(alone, layer.num_experts, 1, r.capacity, mp_split=False)
+    ((schedules._expert_pass(layer, x, r, lay) * go).sum() + r.l_aux).backward()
 
 
 _MPUS: dict[int, object] = {}
@@ -270,17 +267,22 @@ def run_default(cfg: Config, iters: int, warmup: int) -> dict:
     print(f"load average before {load_before}, after {load_after}")
     print("wall: slowest rank, median of the iterations; paired: median of per-iteration DeepSpeed/row "
           "ratios (rows interleaved); CPU: all ranks' CPU seconds (every thread), median\n")
-    print(f"{'row':<18}{'wall ms':>9}{'speed-up':>9}{'paired':>8}{'CPU s':>8}{'CPU x':>7}{'A2A ep MB':>10}"
+    print(f"{'row':<28}{'wall ms':>9}{'speed-up':>9}{'paired':>8}{'CPU s':>8}{'CPU x':>7}{'A2A ep MB':>10}"
           f"{'ESP MB':>8}{'MP MB':>8}{'other MB':>9}  wall per iteration (ms)")
     for row, r in res.items():
         sent = r["bytes"]
         a2a_ep = sent.get("all_to_all@ep", 0) / 1e6
         other = sum(sent.values()) / 1e6 - sum(_group_mb(sent, g) for g in ("esp", "mp")) - a2a_ep
         label = row if row != "parm auto" else f"parm auto ({r['schedule']})"
-        print(f"{label:<18}{med[row]:>9.0f}{base / med[row]:>9.2f}{paired[row]:>8.2f}{cpu[row] / 1e3:>8.2f}"
+        print(f"{label:<28}{med[row]:>9.0f}{base / med[row]:>9.2f}{paired[row]:>8.2f}{cpu[row] / 1e3:>8.2f}"
               f"{cpu['DeepSpeed MoE'] / cpu[row]:>7.2f}{a2a_ep:>10.2f}{_group_mb(sent, 'esp'):>8.2f}"
               f"{_group_mb(sent, 'mp'):>8.2f}{other:>9.2f}  " + " ".join(f"{t:.0f}" for t in r["ms"]))
     a2a = {row: r["bytes"].get("all_to_all@ep", 0) for row, r in res.items()}
+    skip_gain = {s: statistics.median(a / b for a, b in zip(res[f"parm {s}{ALL_SLOTS}"]["ms"],
+                                                             res[f"parm {s}"]["ms"], strict=True))
+                 for s in ("deepspeed", "s1", "s2")}
+    print("\nskipping empty slots, paired wall ratio all slots / filled rows: " +
+          ", ".join(f"{s} {g:.2f}x" for s, g in skip_gain.items()))
     print("\nPROJECTIONS (alpha-beta model, not measured): the same layer, MP = ESP = GPUs per node, "
           "EP = nodes")
     projections = _print_projections(cfg)
@@ -288,7 +290,11 @@ def run_default(cfg: Config, iters: int, warmup: int) -> dict:
         "speedup_s1_vs_deepspeed_moe": base / med["parm s1"],
         "speedup_s2_vs_deepspeed_moe": base / med["parm s2"],
         "speedup_auto_vs_deepspeed_moe": base / med["parm auto"],
+        "speedup_s1_all_slots_vs_deepspeed_moe": base / med["parm s1" + ALL_SLOTS],
+        "speedup_s2_all_slots_vs_deepspeed_moe": base / med["parm s2" + ALL_SLOTS],
         "paired_speedup_s1": paired["parm s1"], "paired_speedup_s2": paired["parm s2"],
+        "paired_skip_gain_s1": skip_gain["s1"], "paired_skip_gain_s2": skip_gain["s2"],
+        "paired_skip_gain_deepspeed": skip_gain["deepspeed"],
         "cpu_speedup_s1": cpu["DeepSpeed MoE"] / cpu["parm s1"],
         "cpu_speedup_s2": cpu["DeepSpeed MoE"] / cpu["parm s2"],
         "auto_schedule": res["parm auto"]["schedule"],

@@ -12,9 +12,8 @@ capacity factor 1.25, fp32, 4 overlap chunks. Rows:
     parm deepspeed   ParmMoE, schedule "deepspeed": the order Parm was measured against (§2.1)
     parm s1 / s2     ParmMoE, Parm's schedules (§2.3, §2.4) with the chunked overlap (§2.6)
     parm auto        ParmMoE, "auto" (its one-off micro-benchmark runs in the warm-up)
-    ... all slots    the same schedule with skip_empty_slots off: the experts run on all E·C capacity slots,
-                     as DeepSpeed's do; the pair shows how much of the gain is skipping the empty slots
-                     (at most 1/f of them hold a token) and how much the schedule
+    ... all slots    the schedule with skip_empty_slots off (experts on all E·C slots, as DeepSpeed's): the
+                     pair splits the gain into skipping empty slots (1 - 1/f of them or more) and the schedule
     compute only     the hardware limit of any schedule: the same gate, dispatch, sharded experts (filled
                      rows, FFN / tp columns) and combine on every rank, with no communication at all
 
@@ -231,8 +230,7 @@ def _layer_shape(cfg: Config):
 
     return LayerShape(tokens=cfg.tokens, hidden=cfg.hidden, ffn=cfg.ffn, experts=cfg.experts, k=cfg.k,
                       capacity_factor=cfg.capacity_factor, mp=cfg.tp, ep=cfg.ep, esp=cfg.tp,
-                      chunks=cfg.chunks,
-                      elem_bytes=DTYPES[cfg.dtype].itemsize)
+                      chunks=cfg.chunks, elem_bytes=DTYPES[cfg.dtype].itemsize)
 
 
 def _predicted(cfg: Config) -> dict:
@@ -302,9 +300,7 @@ def run_default(cfg: Config, iters: int, warmup: int) -> dict:
         "a2a_bytes_parm_deepspeed_over_s2": a2a["parm deepspeed"] / a2a["parm s2"],
         "a2a_bytes_deepspeed_moe_over_s2": a2a["DeepSpeed MoE"] / a2a["parm s2"],
         "projected_speedup_best_parm_vs_deepspeed_moe": projections,
-        "load_avg": load_after,
-    }
-    ratios["speedup_limit_compute_only_vs_deepspeed_moe"] = base / med["compute only"]
+        "load_avg": load_after, "speedup_limit_compute_only_vs_deepspeed_moe": base / med["compute only"]}
     print(json.dumps(ratios))
     return ratios
 
@@ -336,10 +332,13 @@ TIE = 0.05
 
 
 def grid_configs() -> list[Config]:
-    """16 layer configs on 4 ranks: (tp, ep) x (k, capacity factor), k·f from 0.25 to 4, x FFN size."""
-    return [replace(GRID_BASE, tp=tp, ep=ep, k=k, capacity_factor=cf, ffn=ffn)
-            for tp, ep in ((2, 2), (4, 1)) for k, cf in ((1, 0.25), (1, 1.0), (2, 1.25), (2, 2.0))
-            for ffn in (256, 1024)]
+    """24 layer configs on 4 ranks: (tp, ep) x (k, capacity factor), k·f from 0.5 to 4, x tokens per rank
+    x overlap chunks. S1 gates N times fewer tokens but adds four MP collectives (the AG of the output and
+    its dual, the all-reduces of the loss statistics and gate gradients, §2.7); S2 gathers k·f·S·M over MP
+    in r chunks. Few tokens (256) make the collectives' fixed costs dominate, where S2 can win."""
+    return [replace(GRID_BASE, tp=tp, ep=ep, k=k, capacity_factor=cf, tokens=tokens, chunks=chunks)
+            for tp, ep in ((2, 2), (4, 1)) for k, cf in ((1, 0.5), (2, 1.25), (2, 2.0))
+            for tokens in (256, 2048) for chunks in (1, 4)]
 
 
 def run_grid(iters: int, warmup: int) -> dict:
@@ -347,9 +346,9 @@ def run_grid(iters: int, warmup: int) -> dict:
     median over iterations of s1_i / s2_i, which cancels most of the machine's load drift."""
     rows = ("parm s1", "parm s2", "parm auto")
     print(f"\nS1 vs S2 vs auto over {len(grid_configs())} configs, 4 gloo ranks; load average {_load()}")
-    print(f"{'tp':>3}{'ep':>3}{'k':>3}{'cf':>5}{'FFN':>6}{'s1 ms':>8}{'s2 ms':>8}{'s1/s2':>7}"
-          f"{'CPU s1/s2':>10}"
-          f"{'faster':>7}{'auto':>5}{'pred s1':>9}{'pred s2':>9}  auto right? (tie: within {TIE:.0%})")
+    print(f"{'tp':>3}{'ep':>3}{'k':>3}{'cf':>5}{'S':>6}{'r':>3}{'s1 ms':>8}{'s2 ms':>8}{'s1/s2':>7}"
+          f"{'CPU s1/s2':>10}{'faster':>7}{'auto':>5}{'pred s1':>9}{'pred s2':>9}"
+          f"  auto right? (tie: within {TIE:.0%})")
     hits, ties, regrets, results = 0, 0, [], []
     with World(4, timeout=3600) as world:
         for cfg in grid_configs():
@@ -366,11 +365,13 @@ def run_grid(iters: int, warmup: int) -> dict:
             regrets.append(max(ratio, 1 / ratio) - 1 if faster != auto else 0.0)
             results.append({"config": asdict(cfg), "s1_ms": s1, "s2_ms": s2, "s1_over_s2": ratio,
                             "auto": auto, "predicted": pred})
-            print(f"{cfg.tp:>3}{cfg.ep:>3}{cfg.k:>3}{cfg.capacity_factor:>5}{cfg.ffn:>6}{s1:>8.0f}{s2:>8.0f}"
-                  f"{ratio:>7.2f}{cpu:>10.2f}{faster:>7}{auto:>5}"
+            print(f"{cfg.tp:>3}{cfg.ep:>3}{cfg.k:>3}{cfg.capacity_factor:>5}{cfg.tokens:>6}{cfg.chunks:>3}"
+                  f"{s1:>8.1f}{s2:>8.1f}{ratio:>7.2f}{cpu:>10.2f}{faster:>7}{auto:>5}"
                   f"{pred.get('s1', 0):>9.1f}{pred.get('s2', 0):>9.1f}"
                   f"  {'yes' if faster == auto else 'tie' if tie else 'NO'}")
     summary = {"grid_configs": len(results), "auto_picked_faster": hits,
+               "s1_faster_beyond_tie": sum(r["s1_over_s2"] < 1 - TIE for r in results),
+               "s2_faster_beyond_tie": sum(r["s1_over_s2"] > 1 + TIE for r in results),
                "auto_picked_faster_fraction": hits / len(results),
                "auto_picked_faster_or_tie_fraction": (hits + ties) / len(results), "tie_band": TIE,
                "auto_mean_regret": statistics.mean(regrets), "auto_max_regret": max(regrets),
@@ -386,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--grid", action="store_true", help="S1 vs S2 vs auto over 16 configs")
+    p.add_argument("--grid", action="store_true", help="S1 vs S2 vs auto over 24 configs")
     args = p.parse_args(argv)
     if args.grid:
         run_grid(args.iters, args.warmup)

@@ -12,8 +12,10 @@ capacity factor 1.25, fp32, 4 overlap chunks. Rows:
     parm deepspeed   ParmMoE, schedule "deepspeed": the order Parm was measured against (§2.1)
     parm s1 / s2     ParmMoE, Parm's schedules (§2.3, §2.4) with the chunked overlap (§2.6)
     parm auto        ParmMoE, "auto" (its one-off micro-benchmark runs in the warm-up)
-    compute only     the hardware limit of any schedule: the same gate, dispatch, sharded experts (same slots,
-                     FFN / tp columns) and combine on every rank, with no communication at all
+    ... all slots    the schedule with skip_empty_slots off (experts on all E·C slots, as DeepSpeed's): the
+                     pair splits the gain into skipping empty slots (1 - 1/f of them or more) and the schedule
+    compute only     the hardware limit of any schedule: the same gate, dispatch, sharded experts (filled
+                     rows, FFN / tp columns) and combine on every rank, with no communication at all
 
 Each row: median over iterations (rows interleaved) of the slowest rank's time, bytes per rank per group
 from the ledger (DeepSpeed's collectives counted with commweave.comm.trace_torch_distributed), and the
@@ -56,7 +58,9 @@ class Config:
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ROWS = ("DeepSpeed MoE", "parm deepspeed", "parm s1", "parm s2", "parm auto", "compute only")
+ALL_SLOTS = " all slots"
+ROWS = ("DeepSpeed MoE", "parm deepspeed", "parm deepspeed" + ALL_SLOTS, "parm s1", "parm s1" + ALL_SLOTS,
+        "parm s2", "parm s2" + ALL_SLOTS, "parm auto", "compute only")
 
 
 def _gloo_gather_tokens(input_, dim=0):
@@ -102,7 +106,9 @@ def _layer(row: str, cfg: Config):
         layer = MoE(cfg.hidden, expert, **kw)
     else:
         expert = nn.Sequential(nn.Linear(cfg.hidden, cfg.ffn), nn.GELU(), nn.Linear(cfg.ffn, cfg.hidden))
-        layer = ParmMoE(cfg.hidden, expert, schedule=row.split()[-1], overlap_chunks=cfg.chunks, **kw)
+        skip = not row.endswith(ALL_SLOTS)
+        layer = ParmMoE(cfg.hidden, expert, schedule=row.removesuffix(ALL_SLOTS).split()[-1],
+                        overlap_chunks=cfg.chunks, skip_empty_slots=skip, **kw)
     layer.set_deepspeed_parallelism()
     if cfg.ep > 1:
         comm.set_group_name(layer.deepspeed_moe.ep_group, "ep")  # DeepSpeed's own group, as ParmMoE names it
@@ -139,18 +145,14 @@ def _step(layer, x, go) -> None:
 
 
 def _compute_only(layer, x, go) -> None:
-    """An S2 layer's local work with its exchanges replaced by local reshapes of the same sizes."""
-    from ds_plugins import experts, routing
-    from ds_plugins.dispatch import combine, dispatch
+    """An S2 layer's local work, its groups taken away: the exchanges become local reshapes of the same
+    sizes (this rank's buffer stands for every EP source's, its fill counts for theirs)."""
+    from ds_plugins import overlap, routing, schedules
 
-    g, e = layer.parm_groups, layer.num_experts
-    r = routing.route(layer.gate, x)
-    buf = dispatch(x, r.indices, r.locations, e, r.capacity)                    # [E, C, M]
-    e_l, c, m = e // g.ep_size, r.capacity, x.shape[1]
-    h = buf.view(g.ep_size, e_l, c, m).transpose(0, 1).reshape(e_l, g.ep_size * c, m)
-    y = experts.partial_sums(layer.local_experts, h, g.esp_size)
-    y = y.view(e_l, g.ep_size, c, m).transpose(0, 1).reshape(e, c, m)
-    ((combine(y, r.indices, r.locations, r.gates) * go).sum() + r.l_aux).backward()
+    g, r = layer.parm_groups, routing.route(layer.gate, x)
+    alone = replace(g, mp=None, esp=None, ep=None, mp_size=1, mp_rank=0, esp_size=1, esp_rank=0)
+    lay = overlap.Layout(alone, layer.num_experts, 1, r.capacity, mp_split=False)
+    ((schedules._expert_pass(layer, x, r, lay) * go).sum() + r.l_aux).backward()
 
 
 _MPUS: dict[int, object] = {}
@@ -228,8 +230,7 @@ def _layer_shape(cfg: Config):
 
     return LayerShape(tokens=cfg.tokens, hidden=cfg.hidden, ffn=cfg.ffn, experts=cfg.experts, k=cfg.k,
                       capacity_factor=cfg.capacity_factor, mp=cfg.tp, ep=cfg.ep, esp=cfg.tp,
-                      chunks=cfg.chunks,
-                      elem_bytes=DTYPES[cfg.dtype].itemsize)
+                      chunks=cfg.chunks, elem_bytes=DTYPES[cfg.dtype].itemsize)
 
 
 def _predicted(cfg: Config) -> dict:
@@ -264,17 +265,22 @@ def run_default(cfg: Config, iters: int, warmup: int) -> dict:
     print(f"load average before {load_before}, after {load_after}")
     print("wall: slowest rank, median of the iterations; paired: median of per-iteration DeepSpeed/row "
           "ratios (rows interleaved); CPU: all ranks' CPU seconds (every thread), median\n")
-    print(f"{'row':<18}{'wall ms':>9}{'speed-up':>9}{'paired':>8}{'CPU s':>8}{'CPU x':>7}{'A2A ep MB':>10}"
+    print(f"{'row':<28}{'wall ms':>9}{'speed-up':>9}{'paired':>8}{'CPU s':>8}{'CPU x':>7}{'A2A ep MB':>10}"
           f"{'ESP MB':>8}{'MP MB':>8}{'other MB':>9}  wall per iteration (ms)")
     for row, r in res.items():
         sent = r["bytes"]
         a2a_ep = sent.get("all_to_all@ep", 0) / 1e6
         other = sum(sent.values()) / 1e6 - sum(_group_mb(sent, g) for g in ("esp", "mp")) - a2a_ep
         label = row if row != "parm auto" else f"parm auto ({r['schedule']})"
-        print(f"{label:<18}{med[row]:>9.0f}{base / med[row]:>9.2f}{paired[row]:>8.2f}{cpu[row] / 1e3:>8.2f}"
+        print(f"{label:<28}{med[row]:>9.0f}{base / med[row]:>9.2f}{paired[row]:>8.2f}{cpu[row] / 1e3:>8.2f}"
               f"{cpu['DeepSpeed MoE'] / cpu[row]:>7.2f}{a2a_ep:>10.2f}{_group_mb(sent, 'esp'):>8.2f}"
               f"{_group_mb(sent, 'mp'):>8.2f}{other:>9.2f}  " + " ".join(f"{t:.0f}" for t in r["ms"]))
     a2a = {row: r["bytes"].get("all_to_all@ep", 0) for row, r in res.items()}
+    skip_gain = {s: statistics.median(a / b for a, b in zip(res[f"parm {s}{ALL_SLOTS}"]["ms"],
+                                                             res[f"parm {s}"]["ms"], strict=True))
+                 for s in ("deepspeed", "s1", "s2")}
+    print("\nskipping empty slots, paired wall ratio all slots / filled rows: " +
+          ", ".join(f"{s} {g:.2f}x" for s, g in skip_gain.items()))
     print("\nPROJECTIONS (alpha-beta model, not measured): the same layer, MP = ESP = GPUs per node, "
           "EP = nodes")
     projections = _print_projections(cfg)
@@ -282,7 +288,11 @@ def run_default(cfg: Config, iters: int, warmup: int) -> dict:
         "speedup_s1_vs_deepspeed_moe": base / med["parm s1"],
         "speedup_s2_vs_deepspeed_moe": base / med["parm s2"],
         "speedup_auto_vs_deepspeed_moe": base / med["parm auto"],
+        "speedup_s1_all_slots_vs_deepspeed_moe": base / med["parm s1" + ALL_SLOTS],
+        "speedup_s2_all_slots_vs_deepspeed_moe": base / med["parm s2" + ALL_SLOTS],
         "paired_speedup_s1": paired["parm s1"], "paired_speedup_s2": paired["parm s2"],
+        "paired_skip_gain_s1": skip_gain["s1"], "paired_skip_gain_s2": skip_gain["s2"],
+        "paired_skip_gain_deepspeed": skip_gain["deepspeed"],
         "cpu_speedup_s1": cpu["DeepSpeed MoE"] / cpu["parm s1"],
         "cpu_speedup_s2": cpu["DeepSpeed MoE"] / cpu["parm s2"],
         "auto_schedule": res["parm auto"]["schedule"],
@@ -290,9 +300,7 @@ def run_default(cfg: Config, iters: int, warmup: int) -> dict:
         "a2a_bytes_parm_deepspeed_over_s2": a2a["parm deepspeed"] / a2a["parm s2"],
         "a2a_bytes_deepspeed_moe_over_s2": a2a["DeepSpeed MoE"] / a2a["parm s2"],
         "projected_speedup_best_parm_vs_deepspeed_moe": projections,
-        "load_avg": load_after,
-    }
-    ratios["speedup_limit_compute_only_vs_deepspeed_moe"] = base / med["compute only"]
+        "load_avg": load_after, "speedup_limit_compute_only_vs_deepspeed_moe": base / med["compute only"]}
     print(json.dumps(ratios))
     return ratios
 
@@ -324,10 +332,13 @@ TIE = 0.05
 
 
 def grid_configs() -> list[Config]:
-    """16 layer configs on 4 ranks: (tp, ep) x (k, capacity factor), k·f from 0.25 to 4, x FFN size."""
-    return [replace(GRID_BASE, tp=tp, ep=ep, k=k, capacity_factor=cf, ffn=ffn)
-            for tp, ep in ((2, 2), (4, 1)) for k, cf in ((1, 0.25), (1, 1.0), (2, 1.25), (2, 2.0))
-            for ffn in (256, 1024)]
+    """24 layer configs on 4 ranks: (tp, ep) x (k, capacity factor), k·f from 0.5 to 4, x tokens per rank
+    x overlap chunks. S1 gates N times fewer tokens but adds four MP collectives (the AG of the output and
+    its dual, the all-reduces of the loss statistics and gate gradients, §2.7); S2 gathers k·f·S·M over MP
+    in r chunks. Few tokens (256) make the collectives' fixed costs dominate, where S2 can win."""
+    return [replace(GRID_BASE, tp=tp, ep=ep, k=k, capacity_factor=cf, tokens=tokens, chunks=chunks)
+            for tp, ep in ((2, 2), (4, 1)) for k, cf in ((1, 0.5), (2, 1.25), (2, 2.0))
+            for tokens in (256, 2048) for chunks in (1, 4)]
 
 
 def run_grid(iters: int, warmup: int) -> dict:
@@ -335,9 +346,9 @@ def run_grid(iters: int, warmup: int) -> dict:
     median over iterations of s1_i / s2_i, which cancels most of the machine's load drift."""
     rows = ("parm s1", "parm s2", "parm auto")
     print(f"\nS1 vs S2 vs auto over {len(grid_configs())} configs, 4 gloo ranks; load average {_load()}")
-    print(f"{'tp':>3}{'ep':>3}{'k':>3}{'cf':>5}{'FFN':>6}{'s1 ms':>8}{'s2 ms':>8}{'s1/s2':>7}"
-          f"{'CPU s1/s2':>10}"
-          f"{'faster':>7}{'auto':>5}{'pred s1':>9}{'pred s2':>9}  auto right? (tie: within {TIE:.0%})")
+    print(f"{'tp':>3}{'ep':>3}{'k':>3}{'cf':>5}{'S':>6}{'r':>3}{'s1 ms':>8}{'s2 ms':>8}{'s1/s2':>7}"
+          f"{'CPU s1/s2':>10}{'faster':>7}{'auto':>5}{'pred s1':>9}{'pred s2':>9}"
+          f"  auto right? (tie: within {TIE:.0%})")
     hits, ties, regrets, results = 0, 0, [], []
     with World(4, timeout=3600) as world:
         for cfg in grid_configs():
@@ -354,11 +365,13 @@ def run_grid(iters: int, warmup: int) -> dict:
             regrets.append(max(ratio, 1 / ratio) - 1 if faster != auto else 0.0)
             results.append({"config": asdict(cfg), "s1_ms": s1, "s2_ms": s2, "s1_over_s2": ratio,
                             "auto": auto, "predicted": pred})
-            print(f"{cfg.tp:>3}{cfg.ep:>3}{cfg.k:>3}{cfg.capacity_factor:>5}{cfg.ffn:>6}{s1:>8.0f}{s2:>8.0f}"
-                  f"{ratio:>7.2f}{cpu:>10.2f}{faster:>7}{auto:>5}"
+            print(f"{cfg.tp:>3}{cfg.ep:>3}{cfg.k:>3}{cfg.capacity_factor:>5}{cfg.tokens:>6}{cfg.chunks:>3}"
+                  f"{s1:>8.1f}{s2:>8.1f}{ratio:>7.2f}{cpu:>10.2f}{faster:>7}{auto:>5}"
                   f"{pred.get('s1', 0):>9.1f}{pred.get('s2', 0):>9.1f}"
                   f"  {'yes' if faster == auto else 'tie' if tie else 'NO'}")
     summary = {"grid_configs": len(results), "auto_picked_faster": hits,
+               "s1_faster_beyond_tie": sum(r["s1_over_s2"] < 1 - TIE for r in results),
+               "s2_faster_beyond_tie": sum(r["s1_over_s2"] > 1 + TIE for r in results),
                "auto_picked_faster_fraction": hits / len(results),
                "auto_picked_faster_or_tie_fraction": (hits + ties) / len(results), "tie_band": TIE,
                "auto_mean_regret": statistics.mean(regrets), "auto_max_regret": max(regrets),
@@ -374,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--grid", action="store_true", help="S1 vs S2 vs auto over 16 configs")
+    p.add_argument("--grid", action="store_true", help="S1 vs S2 vs auto over 24 configs")
     args = p.parse_args(argv)
     if args.grid:
         run_grid(args.iters, args.warmup)

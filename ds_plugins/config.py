@@ -2,7 +2,7 @@
 
     {
       "train_micro_batch_size_per_gpu": 8,
-      "parm": {"enabled": true, "schedule": "auto", "overlap_chunks": 4}
+      "parm": {"enabled": true, "schedule": "auto", "overlap_chunks": 4, "skip_empty_slots": true}
     }
 
 DeepSpeed keeps unknown top-level sections verbatim (parm.md §5.7), so the same file configures both.
@@ -47,13 +47,17 @@ class ParmConfig:
     """One of :data:`SCHEDULES`."""
     overlap_chunks: int = 4
     """Pipeline depth r of the chunked all-to-all / all-gather overlap (parm.md §2.6)."""
+    skip_empty_slots: bool = True
+    """Run the expert MLPs only on the capacity slots that hold a token (at most 1/capacity_factor of them)
+    instead of all E·C slots, as DeepSpeed does; exact, for every schedule (ds_plugins.overlap)."""
     debug: bool = False
-    """Check every S2 forward that routing is bit-identical across the MP ranks (one extra all-gather)."""
+    """Check every S2 and "deepspeed" forward that routing is bit-identical across the MP ranks (one extra
+    all-gather)."""
     cost_cache: str | None = None
     """JSON file the "auto" selector reads its fitted alpha-beta parameters from, or writes them to."""
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "debug"):
+        for name in ("enabled", "skip_empty_slots", "debug"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"parm {name}={getattr(self, name)!r} must be true or false")
         check_schedule(self.schedule)

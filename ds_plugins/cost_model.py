@@ -18,12 +18,25 @@ Schedules modelled (b bytes per element, V = E·C_buf·M·b; forward and backwar
                     expert with AR, drop, A2A, AG; nothing overlapped
     "deepspeed"     baseline A (§2.1): A2A of V, AR inside the expert
     "s1", "s2"      Parm's schedules with the chunked exchanges
+
+Expert rows (``skip_empty_slots``, ds_plugins.overlap). DeepSpeed's experts run on every capacity slot;
+with skipping they run on the slots that hold a token, which for a source gating S_g tokens into a
+capacity C are Σ_e min(n_e, C) <= min(k·S_g, E·C) of its E·C slots (n_e: routes to expert e). The model
+takes the balanced case, min(k·S_g/E, C) filled slots per expert and source, an upper bound (an
+imbalanced gate drops more) and about 1/f of the slots for k·f > 1. Per local expert on one rank:
+
+    S1            s·p·C_buf slots, s·p·min(k·S_g/E, C_buf) filled   (S_g = S/N; the s ESP peers' sources
+                  gate different tokens)
+    S2            s·p·C_buf/n slots, p·min(k·S/E, s·C_buf/n) filled   (the s ESP peers gather s of the n
+                  MP slices of one source's capacity, filled from slot 0)
+
+plus, for S1 and S2, the forward exchange of the fill counts: A2A over EP of E int32 and AG over ESP.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from commweave import cost
 from commweave.cost import AlphaBeta
@@ -66,6 +79,7 @@ class LayerShape:
     chunks: int
     elem_bytes: int = 4
     min_capacity: int = 0
+    skip_empty_slots: bool = True
 
     def capacity(self, tokens: int) -> int:
         """DeepSpeed's drop-mode capacity for ``tokens`` tokens (k folded in for k >= 2)."""
@@ -113,11 +127,29 @@ def _route(costs: OpCosts, sh: LayerShape, tokens: int, capacity: int) -> float:
     return costs("route", (sh.k * tokens + sh.experts * capacity) * sh.hidden * sh.elem_bytes)
 
 
-def _experts(costs: OpCosts, sh: LayerShape, slots_per_expert: int) -> float:
-    """E_l local experts, each two GEMMs forward and four backward on its slots, H/s columns."""
-    flops = 2 * slots_per_expert * sh.hidden * (sh.ffn // sh.esp)
-    act = slots_per_expert * (sh.ffn // sh.esp) * sh.elem_bytes
+def expert_rows(sh: LayerShape, tokens: int, capacity: int, mp_split: bool, skip: bool) -> float:
+    """Rows each local expert runs on (see the module docstring): ``tokens`` gated per source into
+    ``capacity`` (C_buf) slots; ``mp_split``: S2's slices of C_buf/n, of which the ESP peers gather s."""
+    filled = sh.k * tokens / sh.experts                  # per source, balanced routing
+    if mp_split:
+        slots = sh.esp * capacity / sh.mp
+        return sh.ep * (min(filled, slots) if skip else slots)
+    return sh.ep * sh.esp * (min(filled, capacity) if skip else capacity)
+
+
+def _experts(costs: OpCosts, sh: LayerShape, rows: float) -> float:
+    """E_l local experts, each two GEMMs forward and four backward on its rows, H/s columns."""
+    flops = 2 * rows * sh.hidden * (sh.ffn // sh.esp)
+    act = rows * (sh.ffn // sh.esp) * sh.elem_bytes
     return sh.experts // sh.ep * (6 * costs("gemm", flops) + 3 * costs("mem", act))
+
+
+def _fills(costs: OpCosts, sh: LayerShape) -> float:
+    """The forward exchange of the fill counts, E int32 (S1, S2 with skipping)."""
+    if not sh.skip_empty_slots:
+        return 0.0
+    return (costs("a2a@ep", 4 * sh.experts) if sh.ep > 1 else 0.0) + \
+        (costs("ag@esp", 4 * sh.experts * sh.esp) if sh.esp > 1 else 0.0)
 
 
 def _exchanges(costs: OpCosts, sh: LayerShape, v: float, chunks: int, mp_split: bool) -> float:
@@ -144,8 +176,8 @@ def predict(schedule: str, sh: LayerShape, costs: OpCosts) -> Breakdown:
         v = e * cb * m * b
         out.add("gate", _gate(costs, sh, mine))
         out.add("dispatch+combine", _route(costs, sh, mine, cb))
-        out.add("exchanges", _exchanges(costs, sh, v, chunks, mp_split=False))
-        out.add("experts", _experts(costs, sh, s * p * cb))
+        out.add("exchanges", _exchanges(costs, sh, v, chunks, mp_split=False) + _fills(costs, sh))
+        out.add("experts", _experts(costs, sh, expert_rows(sh, mine, cb, False, sh.skip_empty_slots)))
         if n > 1:
             rows = n * mine * m * b                      # the MP all-gather of S·M (padded blocks)
             pad = 0 if sh.tokens % n == 0 else 4 * costs("mem", rows)
@@ -159,17 +191,21 @@ def predict(schedule: str, sh: LayerShape, costs: OpCosts) -> Breakdown:
         cb = _pad(c, n * chunks)
         v = e * cb * m * b
         out.add("dispatch+combine", _route(costs, sh, sh.tokens, cb))
-        out.add("exchanges", _exchanges(costs, sh, v, chunks, mp_split=True))
-        out.add("experts", _experts(costs, sh, s * p * cb // n))
+        out.add("exchanges", _exchanges(costs, sh, v, chunks, mp_split=True) + _fills(costs, sh))
+        out.add("experts", _experts(costs, sh, expert_rows(sh, sh.tokens, cb, True, sh.skip_empty_slots)))
         return out
     v = e * c * m * b
     out.add("dispatch+combine", _route(costs, sh, sh.tokens, c))
     if schedule == "deepspeed":
+        # every ESP rank runs the whole (replicated) slots, s = 1 in the row count; AR of the filled rows
+        rows = expert_rows(replace(sh, esp=1), sh.tokens, c, False, sh.skip_empty_slots)
         out.add("a2a", 4 * costs("a2a@ep", v) if p > 1 else 0.0)
-        out.add("experts", _experts(costs, sh, p * c))
-        out.add("esp", 2 * e // p * costs("ar@esp", p * c * m * b) if s > 1 else 0.0)
+        if sh.skip_empty_slots and p > 1:
+            out.add("a2a", costs("a2a@ep", 4 * e))
+        out.add("experts", _experts(costs, sh, rows))
+        out.add("esp", 2 * e // p * costs("ar@esp", rows * m * b) if s > 1 else 0.0)
         return out
-    if schedule == "ds-installed":
+    if schedule == "ds-installed":                # DeepSpeed's own MoE: every slot, always
         out.add("a2a", 4 * costs("a2a@ep", v / n) if p > 1 else 0.0)
         out.add("mp", 4 * costs("ag@mp", v) + costs("mem", 4 * v) if n > 1 else 0.0)
         out.add("experts", _experts(costs, sh, p * c))

@@ -18,6 +18,8 @@ held by an optimizer stay valid. Any other expert module works when ESP = 1 and 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -97,23 +99,23 @@ def _run(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out  # DeepSpeed's Experts drops a returned bias too
 
 
-def partial_sums(experts: nn.ModuleList, x: torch.Tensor, esp_size: int) -> torch.Tensor:
-    """[E_l, T, M] -> [E_l, T, M]: each local expert on its T slots; partial sums over ESP when sharded."""
-    # unbind, not x[e]: the backward of e separate selects would zero-fill E_l full-size gradients
+def partial_sums(experts: nn.ModuleList, xs: Sequence[torch.Tensor], esp_size: int) -> list[torch.Tensor]:
+    """Each local expert on its rows, xs[j] [F_j, M] -> [F_j, M]; partial sums over ESP when sharded."""
     if esp_size == 1:
-        return torch.stack([_run(expert, xe) for xe, expert in zip(x.unbind(0), experts, strict=True)])
-    return torch.stack([_mlp_partial(expert, xe, esp_size)
-                        for xe, expert in zip(x.unbind(0), experts, strict=True)])
+        return [_run(expert, xe) for xe, expert in zip(xs, experts, strict=True)]
+    return [_mlp_partial(expert, xe, esp_size) for xe, expert in zip(xs, experts, strict=True)]
 
 
-def tensor_parallel(experts: nn.ModuleList, x: torch.Tensor, esp_group, esp_size: int) -> torch.Tensor:
-    """The "deepspeed" schedule's expert: Megatron f (copy, all-reduce grads) -> shard -> g (all-reduce)."""
+def tensor_parallel(experts: nn.ModuleList, xs: Sequence[torch.Tensor], esp_group,
+                    esp_size: int) -> list[torch.Tensor]:
+    """The "deepspeed" schedule's expert: Megatron f (copy, all-reduce grads) -> shard -> g (all-reduce),
+    on the rows it is given (the same on every ESP rank: the schedule routes identically on them)."""
     if esp_size == 1:
-        return partial_sums(experts, x, 1)
+        return partial_sums(experts, xs, 1)
     outs = []
-    for xe, expert in zip(x.unbind(0), experts, strict=True):
+    for xe, expert in zip(xs, experts, strict=True):
         fc1, act, fc2 = expert
         y = collectives.reduce_from(F.linear(act(fc1(collectives.copy_to(xe, esp_group))), fc2.weight),
                                     esp_group)
         outs.append(y if fc2.bias is None else y + fc2.bias)
-    return torch.stack(outs)
+    return outs

@@ -33,7 +33,9 @@ class ParmMoE(MoE):
 
         schedule (str): "auto" (default), "s1", "s2" or "deepspeed" (parm.md §2).
         overlap_chunks (int): pipeline chunks of the overlapped exchanges, >= 1 (default 4).
-        debug (bool): check in every S2 forward that routing is identical across the MP ranks.
+        skip_empty_slots (bool): run the experts only on the capacity slots that hold a token (default).
+        debug (bool): check in every S2 and "deepspeed" forward that routing is identical across the MP
+            ranks.
         cost_cache (str, optional): JSON file for the "auto" selector's fitted alpha-beta parameters.
 
     With ``enable_expert_tensor_parallelism`` the experts are sharded over ESP = the tensor-parallel group
@@ -46,13 +48,13 @@ class ParmMoE(MoE):
                  min_capacity: int = 4, use_residual: bool = False, noisy_gate_policy: str | None = None,
                  drop_tokens: bool = True, use_rts: bool = True, use_tutel: bool = False,
                  enable_expert_tensor_parallelism: bool = False, top2_2nd_expert_sampling: bool = True, *,
-                 schedule: str = "auto", overlap_chunks: int = 4,
+                 schedule: str = "auto", overlap_chunks: int = 4, skip_empty_slots: bool = True,
                  debug: bool = False, cost_cache: str | None = None) -> None:
         if ep_size < 1 or num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} must be divisible by ep_size={ep_size} "
                              "(every EP rank holds num_experts / ep_size experts)")
-        config = ParmConfig(enabled=True, schedule=schedule, overlap_chunks=overlap_chunks, debug=debug,
-                            cost_cache=cost_cache)
+        config = ParmConfig(enabled=True, schedule=schedule, overlap_chunks=overlap_chunks,
+                            skip_empty_slots=skip_empty_slots, debug=debug, cost_cache=cost_cache)
         super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
                          min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, use_tutel,
                          enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
@@ -74,6 +76,7 @@ class ParmMoE(MoE):
     def _init_parm(self, config: ParmConfig) -> None:
         self.schedule = check_schedule(config.schedule)
         self.overlap_chunks = check_overlap_chunks(config.overlap_chunks)
+        self.skip_empty_slots = config.skip_empty_slots
         self.debug = config.debug
         self.cost_cache = config.cost_cache
         self.parm_groups: ParmGroups | None = None

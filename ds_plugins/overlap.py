@@ -1,15 +1,18 @@
 """Chunked, overlapped exchanges between the dispatch buffer and the experts (parm.md §2.6, §2.7).
 
 Shape legend: E experts, E_l = E / p local experts, p = EP size, s = ESP size, n = MP size,
-r chunks, c_r capacity slots per chunk, M hidden size.
+r chunks, c_r capacity slots per chunk, M hidden size, F_j rows of local expert j that hold a token.
 
     source side   buffer [E, C_buf, M]; this rank exchanges the capacity slots [lo, lo + r·c_r)
                   (S2: its MP slice, lo = mp_rank·r·c_r, C_buf = n·r·c_r; S1: all, lo = 0, C_buf = r·c_r)
-    expert side   [E_l, r, s, p, c_r, M]: for each local expert, chunk, ESP peer and EP source, c_r slots
+    expert side   per chunk [s, p, E_l, c_r, M]: for each ESP peer, EP source and local expert, c_r slots;
+                  the experts get their filled rows only, one [F_j, M] tensor per local expert
 
 to_experts, per chunk:   A2A over EP   [E, c_r, M] -> [p, E_l, c_r, M]
                          AG  over ESP  -> [s, p, E_l, c_r, M]
-from_experts, per chunk: RS  over ESP  [s, p, E_l, c_r, M] partial sums -> [p, E_l, c_r, M]
+                         filled rows   -> appended to each expert's [F_j, M]
+from_experts, per chunk: rows back in place, zeros in the empty slots -> [s, p, E_l, c_r, M] partial sums
+                         RS  over ESP  -> [p, E_l, c_r, M]
                          A2A over EP   -> [E, c_r, M]
                          AG  over MP   (S2 only) -> [n, E, c_r, M], the MP ranks' slices side by side
 
@@ -18,10 +21,24 @@ asynchronous collectives on *different* communicators (ep, esp, mp), so they run
 gloo and on NCCL. With r chunks and stage times a, b the exchange takes about a + (r-1)·max(a, b) + b
 instead of r·(a + b) (the SAA time model of §2.6).
 
+Filled rows (:class:`Rows`). With capacity factor f at most 1/f of the slots hold a token, and a gate
+fills each expert's slots from 0 (ds_plugins.routing.fill), so block (chunk i, ESP peer q, EP source p',
+local expert j) holds tokens in its first
+
+    rows[i, q, p', j] = clamp(fill_e - lo - i·c_r, 0, c_r)        (fill_e, lo: those of the block's source)
+
+slots. :class:`FillExchange` sends every source's fill - lo to the experts along the blocks' own path,
+an A2A over EP then an AG over ESP of E int32 (wire E·4·(p-1)/p + E·4·(s-1) bytes per rank, forward only:
+the backward reuses the rows), which holds for any group layout and for S1, whose MP ranks route
+different tokens. The experts then run on their F_j filled rows only; the empty slots of the returned
+buffer are zeros (combine never reads them; the reduce-scatter sums them). Without skipping, every slot
+counts as filled (:meth:`Rows.every`) and the experts see all E_l·r·s·p·c_r rows, as DeepSpeed's do.
+
 The two exchanges are each other's autograd dual: the backward of to_experts is from_experts (A2A <-> A2A,
-AG <-> RS, and the S2 split's AG over MP), the backward of from_experts is to_experts (its MP all-gather
-feeds a replicated decode, so every MP rank holds the full gradient and keeps its own slice, as DeepSpeed's
-``_GatherTokens.backward`` does).
+AG <-> RS, keeping the filled rows <-> putting them back with zeros, and the S2 split's AG over MP), the
+backward of from_experts is to_experts (its MP all-gather feeds a replicated decode, so every MP rank holds
+the full gradient and keeps its own slice, as DeepSpeed's ``_GatherTokens.backward`` does). An empty
+slot's gradient is zero either way: combine's backward puts zeros there.
 """
 
 from __future__ import annotations
@@ -50,9 +67,61 @@ class Layout:
         n = self.groups.mp_size if self.mp_split else 1
         return n * self.chunks * self.chunk_slots
 
-    def expert_shape(self, hidden: int) -> tuple[int, ...]:
-        g = self.groups
-        return (self.num_experts // g.ep_size, self.chunks, g.esp_size, g.ep_size, self.chunk_slots, hidden)
+
+class Rows:
+    """The expert-side rows that hold a token, from ``counts`` [r, s, p, E_l] (the filled prefix of every
+    block, see the module docstring).
+
+    ``index[i][j]``: local expert j's filled rows in chunk i, as row numbers of the chunk's flattened
+    [s, p, E_l, c_r] blocks, in (q, p', slot) order; expert j's tensor holds them chunk after chunk, those
+    of chunk i from row ``offset[i][j]``; ``sizes[j]`` = F_j.
+    """
+
+    def __init__(self, counts: torch.Tensor, chunk_slots: int, device: torch.device) -> None:
+        r, s, p, e_l = counts.shape
+        filled = torch.arange(chunk_slots) < counts.permute(0, 3, 1, 2).unsqueeze(-1)  # [r, E_l, s, p, c_r]
+        rows = torch.arange(s * p * e_l * chunk_slots).view(s, p, e_l, chunk_slots).permute(2, 0, 1, 3)
+        per = filled.sum((2, 3, 4))                                                       # [r, E_l]
+        pieces = rows.expand(r, *rows.shape)[filled].to(device).split(per.reshape(-1).tolist())
+        self.index = [pieces[i * e_l: (i + 1) * e_l] for i in range(r)]
+        self.offset = (per.cumsum(0) - per).tolist()
+        self.sizes = per.sum(0).tolist()
+        self.full = bool(filled.all())
+
+    @classmethod
+    def every(cls, lay: Layout, device: torch.device) -> Rows:
+        """Every slot counts as filled (no skipping)."""
+        g = lay.groups
+        shape = (lay.chunks, g.esp_size, g.ep_size, lay.num_experts // g.ep_size)
+        return cls(torch.full(shape, lay.chunk_slots), lay.chunk_slots, device)
+
+
+class FillExchange:
+    """Every source's fill on its way to the experts: the A2A over EP starts at construction (right after
+    routing, so that it overlaps the dispatch), the AG over ESP in :meth:`rows`."""
+
+    def __init__(self, fill: torch.Tensor, lay: Layout) -> None:
+        g = lay.groups
+        lo = g.mp_rank * lay.chunks * lay.chunk_slots if lay.mp_split else 0
+        send = (fill - lo).to(torch.int32)                   # [E] = [p, E_l], relative to the sent slots
+        self.lay, self.work = lay, None
+        if g.ep is None:
+            self.recv = send
+        else:
+            self.recv = torch.empty_like(send)
+            self.work = comm.all_to_all(self.recv, send, g.ep, async_op=True)
+
+    def rows(self) -> Rows:
+        lay, g = self.lay, self.lay.groups
+        if self.work is not None:
+            self.work.wait()
+        got = self.recv                                      # [p, E_l] from this rank's EP sources
+        if g.esp is not None:
+            got = self.recv.new_empty((g.esp_size, self.recv.numel()))
+            comm.all_gather(got, self.recv, g.esp)           # [s, p·E_l]: every ESP peer's sources
+        starts = torch.arange(lay.chunks).view(-1, 1, 1, 1) * lay.chunk_slots
+        counts = (got.cpu().long().view(1, g.esp_size, g.ep_size, -1) - starts).clamp(0, lay.chunk_slots)
+        return Rows(counts, lay.chunk_slots, self.recv.device)
 
 
 def _wavefront(chunks: int, stages: list[tuple[Callable, bool]], finish: Callable[[int], None]) -> None:
@@ -89,12 +158,12 @@ def _wavefront(chunks: int, stages: list[tuple[Callable, bool]], finish: Callabl
     done(chunks - 1)
 
 
-def _to_experts(buf: torch.Tensor, lay: Layout) -> torch.Tensor:
-    """[E, C_buf, M] source buffer -> [E_l, r, s, p, c_r, M] expert input."""
+def _to_experts(buf: torch.Tensor, lay: Layout, rows: Rows) -> tuple[torch.Tensor, ...]:
+    """[E, C_buf, M] source buffer -> the filled rows of each local expert, E_l tensors [F_j, M]."""
     g, c_r, r = lay.groups, lay.chunk_slots, lay.chunks
     e_l, m = lay.num_experts // g.ep_size, buf.shape[-1]
     lo = g.mp_rank * r * c_r if lay.mp_split else 0
-    out = buf.new_empty(lay.expert_shape(m))
+    outs = tuple(buf.new_empty((size, m)) for size in rows.sizes)
     recv: dict[int, torch.Tensor] = {}
     gathered: dict[int, torch.Tensor] = {}
 
@@ -114,28 +183,34 @@ def _to_experts(buf: torch.Tensor, lay: Layout) -> torch.Tensor:
         return comm.all_gather(gathered[i], recv.pop(i), g.esp, async_op=True)
 
     def finish(i: int) -> None:
-        out[:, i] = gathered.pop(i).permute(2, 0, 1, 3, 4)
+        blocks = gathered.pop(i).view(-1, m)                 # [s·p·E_l·c_r, M]
+        for out, index, start in zip(outs, rows.index[i], rows.offset[i], strict=True):
+            torch.index_select(blocks, 0, index, out=out[start: start + index.numel()])
 
     _wavefront(r, [(a2a, g.ep is not None), (ag, g.esp is not None)], finish)
-    return out
+    return outs
 
 
-def _from_experts(y: torch.Tensor, lay: Layout) -> torch.Tensor:
-    """[E_l, r, s, p, c_r, M] expert output (partial sums over ESP) -> [E, C_buf, M] source buffer."""
+def _from_experts(ys: tuple[torch.Tensor, ...], lay: Layout, rows: Rows) -> torch.Tensor:
+    """E_l expert outputs [F_j, M] (partial sums over ESP) -> [E, C_buf, M] source buffer, empty slots 0."""
     g, c_r, r = lay.groups, lay.chunk_slots, lay.chunks
-    e, m = lay.num_experts, y.shape[-1]
+    e, m, y0 = lay.num_experts, ys[0].shape[-1], ys[0]
     n = g.mp_size if lay.mp_split else 1
-    out = y.new_empty((e, n, r, c_r, m))
+    out = y0.new_empty((e, n, r, c_r, m))
     reduced: dict[int, torch.Tensor] = {}
     back: dict[int, torch.Tensor] = {}
     gathered: dict[int, torch.Tensor] = {}
 
     def rs(i: int):
-        partial = y[:, i].permute(1, 2, 0, 3, 4).contiguous()  # [s, p, E_l, c_r, M]
+        shape = (g.esp_size, g.ep_size, e // g.ep_size, c_r, m)
+        partial = y0.new_empty(shape) if rows.full else y0.new_zeros(shape)
+        blocks = partial.view(-1, m)
+        for y, index, start in zip(ys, rows.index[i], rows.offset[i], strict=True):
+            blocks.index_copy_(0, index, y[start: start + index.numel()])
         if g.esp is None:
             reduced[i] = partial[0]
             return None
-        reduced[i] = y.new_empty(partial.shape[1:])
+        reduced[i] = y0.new_empty(partial.shape[1:])
         return comm.reduce_scatter(reduced[i], partial, g.esp, async_op=True)
 
     def a2a(i: int):
@@ -150,7 +225,7 @@ def _from_experts(y: torch.Tensor, lay: Layout) -> torch.Tensor:
         if n == 1:
             gathered[i] = back.pop(i).view(1, e, c_r, m)
             return None
-        gathered[i] = y.new_empty((n, e, c_r, m))
+        gathered[i] = y0.new_empty((n, e, c_r, m))
         return comm.all_gather(gathered[i], back.pop(i), g.mp, async_op=True)
 
     def finish(i: int) -> None:
@@ -162,33 +237,33 @@ def _from_experts(y: torch.Tensor, lay: Layout) -> torch.Tensor:
 
 class _ToExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, buf, lay):
-        ctx.lay = lay
-        return _to_experts(buf, lay)
+    def forward(ctx, buf, lay, rows):
+        ctx.lay, ctx.rows = lay, rows
+        return _to_experts(buf, lay, rows)
 
     @staticmethod
-    def backward(ctx, grad):
-        return _from_experts(grad.contiguous(), ctx.lay), None
+    def backward(ctx, *grads):
+        return _from_experts(grads, ctx.lay, ctx.rows), None, None
 
 
 class _FromExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, lay):
-        ctx.lay = lay
-        return _from_experts(y, lay)
+    def forward(ctx, lay, rows, *ys):
+        ctx.lay, ctx.rows = lay, rows
+        return _from_experts(ys, lay, rows)
 
     @staticmethod
     def backward(ctx, grad):
-        return _to_experts(grad.contiguous(), ctx.lay), None
+        return None, None, *_to_experts(grad.contiguous(), ctx.lay, ctx.rows)
 
 
-def to_experts(buf: torch.Tensor, lay: Layout) -> torch.Tensor:
-    """Dispatch exchange; ``buf`` is [E, C_buf, M] with ``C_buf == lay.capacity``."""
+def to_experts(buf: torch.Tensor, lay: Layout, rows: Rows) -> tuple[torch.Tensor, ...]:
+    """Dispatch exchange; ``buf`` is [E, C_buf, M] with ``C_buf == lay.capacity``; returns E_l [F_j, M]."""
     if buf.shape[1] != lay.capacity:
         raise ValueError(f"dispatch buffer has capacity {buf.shape[1]}, the layout expects {lay.capacity}")
-    return _ToExperts.apply(buf, lay)
+    return _ToExperts.apply(buf, lay, rows)
 
 
-def from_experts(y: torch.Tensor, lay: Layout) -> torch.Tensor:
-    """Combine exchange; ``y`` is [E_l, r, s, p, c_r, M] (partial sums over ESP)."""
-    return _FromExperts.apply(y, lay)
+def from_experts(ys: list[torch.Tensor], lay: Layout, rows: Rows) -> torch.Tensor:
+    """Combine exchange; ``ys`` are the E_l experts' outputs [F_j, M] (partial sums over ESP)."""
+    return _FromExperts.apply(lay, rows, *ys)

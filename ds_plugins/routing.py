@@ -13,6 +13,12 @@ token set, so :func:`route` also returns the per-expert statistics the loss is m
     l_aux = Σ_e me_e·ce_e·E  (k = 1),   mean_e(me_e·ce_e)·E²  (k = 2),   mean_e(me_e·ce_e)·E²/k  (k > 2)
 
 and :func:`full_batch_loss` sums them over MP before applying the formula.
+
+Filled slots. Every DeepSpeed gate places the kept routes of an expert at locations from a cumulative sum
+over the tokens of the *kept* mask (top-1 with or without RTS, top-2 with the second choices after the
+first, top-k with either drop policy, and no-drop): the slots of expert e that hold a token are the
+prefix 0..n_e-1 of its capacity. :func:`fill` returns fill_e = max live location + 1, which covers every
+live slot even if a gate ever left a hole, so running an expert on its first fill_e slots is exact.
 """
 
 from __future__ import annotations
@@ -77,6 +83,13 @@ def route(gate: TopKGate, x: torch.Tensor, used_token: torch.Tensor | None = Non
     else:
         ce = exp_counts.float() / x.shape[0]
     return Routes(l_aux, int(capacity), indices, locations, gates, exp_counts, probs.mean(0), ce)
+
+
+def fill(r: Routes, num_experts: int) -> torch.Tensor:
+    """[E] int32: fill_e = 1 + the largest location of a live route to expert e (0 when none)."""
+    live = r.indices >= 0
+    out = torch.zeros(num_experts, dtype=torch.int32, device=r.indices.device)
+    return out.scatter_reduce_(0, r.indices[live].long(), r.locations[live] + 1, reduce="amax")
 
 
 def drop_capacity(gate: TopKGate, num_tokens: int) -> int:

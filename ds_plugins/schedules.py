@@ -4,11 +4,17 @@ Shape legend: S tokens on this rank (replicated over the N MP ranks), M hidden, 
 experts, p = EP size, s = ESP size, C the gate's capacity, C_buf the padded buffer capacity, r chunks.
 V = E·C_buf·M. Wire volumes per rank (forward; the backward mirrors them, §2.7):
 
-    deepspeed  A2A(ep) 2·V(p-1)/p            AR(esp) inside the expert 2V(s-1)/s
+    deepspeed  A2A(ep) 2·V(p-1)/p            AR(esp) inside the expert 2·F·M(s-1)/s
                (ESP = 1 with MP > 1: A2A(ep) 2·(V/N)(p-1)/p, AG(mp) V(N-1)/N, DeepSpeed's drop/gather)
     s2         A2A(ep) 2·(V/N)(p-1)/p        AG(esp) + RS(esp) 2·V(N-1)/N      AG(mp) V(N-1)/N
     s1         A2A(ep) 2·V₁(p-1)/p           AG(esp) + RS(esp) 2·V₁(N-1)       AG(mp) S·M(N-1)/N
                (V₁ = E·C₁·M, C₁ ≈ C/N: the capacity of S/N tokens)
+
+plus, with ``skip_empty_slots`` (the default), the fill counts that let the experts skip the empty slots
+(ds_plugins.overlap): A2A(ep) E·4·(p-1)/p and, in S1 and S2, AG(esp) E·4·(s-1) bytes, forward only.
+The experts then run on the F rows that hold a token instead of all of them (F ≤ k·S·p·s/E rows per
+expert where the slots number p·s·C_buf; "deepspeed" all-reduces F·M per expert, not C·p·M); the
+exchanges keep their fixed sizes.
 
 Every schedule returns ``(output [S, M] replicated over MP, l_aux, exp_counts)``.
 """
@@ -16,6 +22,7 @@ Every schedule returns ``(output [S, M] replicated over MP, l_aux, exp_counts)``
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -35,33 +42,39 @@ def _layout(layer, capacity: int, mp_split: bool) -> overlap.Layout:
     return overlap.Layout(g, layer.num_experts, chunks, c_buf // (n * chunks), mp_split)
 
 
-def _expert_pass(layer, x: torch.Tensor, r: routing.Routes, lay: overlap.Layout) -> torch.Tensor:
-    """dispatch -> exchange to the experts -> sharded experts -> exchange back -> combine."""
-    m, s = x.shape[1], layer.parm_groups.esp_size
-    buf = dispatch(x, r.indices, r.locations, layer.num_experts, lay.capacity)    # [E, C_buf, M]
-    h = overlap.to_experts(buf, lay)                                              # [E_l, r, s, p, c_r, M]
-    y = experts.partial_sums(layer.local_experts, h.view(h.shape[0], -1, m), s)  # [E_l, T, M], sums over ESP
-    out = overlap.from_experts(y.view(h.shape), lay)                              # [E, C_buf, M]
+def _expert_pass(layer, x: torch.Tensor, r: routing.Routes, lay: overlap.Layout, run=None) -> torch.Tensor:
+    """dispatch -> exchange to the experts -> the experts on their filled rows -> exchange back -> combine.
+
+    ``run(xs)`` computes the local experts' partial sums (default: ESP-sharded, no all-reduce inside).
+    """
+    e, s = layer.num_experts, layer.parm_groups.esp_size
+    fills = overlap.FillExchange(routing.fill(r, e), lay) if layer.skip_empty_slots else None  # A2A(ep)
+    buf = dispatch(x, r.indices, r.locations, e, lay.capacity)                    # [E, C_buf, M]
+    rows = overlap.Rows.every(lay, x.device) if fills is None else fills.rows()   # AG(esp) of E int32
+    hs = overlap.to_experts(buf, lay, rows)                                       # E_l x [F_j, M]
+    ys = experts.partial_sums(layer.local_experts, hs, s) if run is None else run(hs)
+    out = overlap.from_experts(ys, lay, rows)                                     # [E, C_buf, M]
     return combine(out, r.indices, r.locations, r.gates)
 
 
 def deepspeed(layer, x: torch.Tensor, used_token: torch.Tensor | None):
     """Baseline A (§2.1): everything on all S tokens on every MP rank, AR inside the expert."""
-    g, e, m = layer.parm_groups, layer.num_experts, x.shape[1]
+    g, e = layer.parm_groups, layer.num_experts
     r = routing.route(layer.gate, x, used_token)                                 # duplicated N×
+    if layer.debug:
+        routing.check_consistent(r, g.mp)
     c = r.capacity if layer.gate.drop_tokens else routing.agree_capacity(r.capacity, [g.ep], x.device)
     if g.mp is not None and g.esp is None:
         # TP attention, unsharded experts: DeepSpeed then already dropped the MP duplicates before the A2A
         # and gathered after it (PR #2074, §2.1), in one piece: no chunks, nothing overlapped.
         lay = overlap.Layout(g, e, 1, _pad(c, g.mp_size) // g.mp_size, mp_split=True)
         return _expert_pass(layer, x, r, lay), r.l_aux, r.exp_counts
-    buf = dispatch(x, r.indices, r.locations, e, c)                              # [E, C, M]
-    recv = collectives.all_to_all(buf, g.ep).view(g.ep_size, e // g.ep_size, c, m)  # A2A(ep), V
-    h = recv.transpose(0, 1).reshape(e // g.ep_size, g.ep_size * c, m)         # [E_l, p·C, M]
-    y = experts.tensor_parallel(layer.local_experts, h, g.esp, g.esp_size)      # AR(esp), V
-    y = y.view(e // g.ep_size, g.ep_size, c, m).transpose(0, 1).contiguous()
-    back = collectives.all_to_all(y, g.ep).view(e, c, m)                         # A2A(ep), V
-    return combine(back, r.indices, r.locations, r.gates), r.l_aux, r.exp_counts
+    # Every MP rank sends its whole (duplicate) buffer over EP in one piece, and the ESP ranks' experts,
+    # which thus receive the same rows, all-reduce their partial sums: A2A(ep) V, AR(esp) V.
+    ep_only = overlap.Layout(replace(g, esp=None, esp_size=1, esp_rank=0), e, 1, c, mp_split=False)
+    out = _expert_pass(layer, x, r, ep_only,
+                       lambda hs: experts.tensor_parallel(layer.local_experts, hs, g.esp, g.esp_size))
+    return out, r.l_aux, r.exp_counts
 
 
 def s2(layer, x: torch.Tensor, used_token: torch.Tensor | None):

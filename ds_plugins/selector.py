@@ -227,7 +227,8 @@ def layer_shape(layer, tokens: int, dtype: torch.dtype) -> LayerShape:
                       k=gate.k,
                       capacity_factor=gate.capacity_factor if gate.training else gate.eval_capacity_factor,
                       mp=g.mp_size, ep=g.ep_size, esp=g.esp_size, chunks=layer.overlap_chunks,
-                      elem_bytes=torch.empty((), dtype=dtype).element_size(), min_capacity=gate.min_capacity)
+                      elem_bytes=torch.empty((), dtype=dtype).element_size(), min_capacity=gate.min_capacity,
+                      skip_empty_slots=layer.skip_empty_slots)
 
 
 def _ffn_of(expert, hidden: int) -> int:

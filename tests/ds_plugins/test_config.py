@@ -11,9 +11,11 @@ from ds_plugins.config import ParmConfig
 def test_defaults_and_full_section():
     assert ParmConfig.from_deepspeed({"train_batch_size": 8}) == ParmConfig()
     cfg = ParmConfig.from_deepspeed({"parm": {"enabled": True, "schedule": "s2", "overlap_chunks": 8,
-                                              "debug": True, "cost_cache": "/tmp/c.json"}})
-    assert (cfg.enabled, cfg.schedule, cfg.overlap_chunks, cfg.debug, cfg.cost_cache) == \
-        (True, "s2", 8, True, "/tmp/c.json")
+                                              "skip_empty_slots": False, "debug": True,
+                                              "cost_cache": "/tmp/c.json"}})
+    got = (cfg.enabled, cfg.schedule, cfg.overlap_chunks, cfg.skip_empty_slots, cfg.debug, cfg.cost_cache)
+    assert got == (True, "s2", 8, False, True, "/tmp/c.json")
+    assert ParmConfig().skip_empty_slots
 
 
 def test_reads_a_json_file(tmp_path):
@@ -33,6 +35,7 @@ def test_deepspeed_accepts_the_section_verbatim():
     ({"overlap_chunks": 0}, r"overlap_chunks=0 must be an integer >= 1"),
     ({"overlap_chunks": 2.5}, r"overlap_chunks=2.5 must be an integer >= 1"),
     ({"enabled": "yes"}, r"enabled='yes' must be true or false"),
+    ({"skip_empty_slots": 1}, r"skip_empty_slots=1 must be true or false"),
     ({"cost_cache": 3}, r"cost_cache=3 must be a file path"),
 ])
 def test_bad_values_name_value_and_rule(section, message):

@@ -39,6 +39,24 @@ def test_mp_all_gather_volume_decides_between_s1_and_s2():
     assert predict("s2", small, mp_only).total < predict("s1", small, mp_only).total
 
 
+def test_skipping_charges_the_experts_the_filled_rows_only():
+    # k = 2, f = 1.25: k·S/E = 1024 routes per expert and source fill 1024 of its C = 1280 slots (1/f);
+    # DeepSpeed's own MoE runs every slot either way
+    gemm = _only("gemm")
+    for schedule in ("s1", "s2", "deepspeed"):
+        every = predict(schedule, LayerShape(**{**SHAPE.__dict__, "skip_empty_slots": False}), gemm)
+        assert predict(schedule, SHAPE, gemm).parts["experts"] == pytest.approx(every.parts["experts"] / 1.25)
+    all_slots = LayerShape(**{**SHAPE.__dict__, "skip_empty_slots": False})
+    assert predict("ds-installed", SHAPE, gemm).total == predict("ds-installed", all_slots, gemm).total
+    # f < 1: every slot holds a token, nothing to skip
+    tight = LayerShape(**{**SHAPE.__dict__, "capacity_factor": 0.5})
+    assert predict("s2", tight, gemm).total == \
+        predict("s2", LayerShape(**{**tight.__dict__, "skip_empty_slots": False}), gemm).total
+    # the fill counts: one A2A over EP of E int32, forward only
+    assert predict("s2", SHAPE, _only("a2a@ep")).total - predict("s2", all_slots, _only("a2a@ep")).total == \
+        pytest.approx(4 * SHAPE.experts)
+
+
 @pytest.mark.parametrize("cluster", CLUSTERS, ids=lambda c: c.name.split(":")[0])
 def test_cluster_projection_orders_the_schedules(cluster):
     sh = LayerShape(**{**SHAPE.__dict__, "mp": cluster.gpus_per_node, "esp": cluster.gpus_per_node,

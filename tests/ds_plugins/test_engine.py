@@ -60,14 +60,16 @@ def _train(stage: int, parm: dict | None, steps: int = 3) -> list[float]:
     return losses, swapped
 
 
-def _losses_both(stage: int, schedule: str):
-    return _train(stage, None), _train(stage, {"enabled": True, "schedule": schedule, "overlap_chunks": 2})
+def _losses_both(stage: int, schedule: str, skip: bool):
+    return _train(stage, None), _train(stage, {"enabled": True, "schedule": schedule, "overlap_chunks": 2,
+                                               "skip_empty_slots": skip})
 
 
 @pytest.mark.world_size(4)
-@pytest.mark.parametrize(("stage", "schedule"), [(0, "s1"), (1, "s2"), (2, "auto")])
-def test_training_losses_equal_deepspeed(world, stage, schedule):
-    for (plain, plain_types), (parm, parm_types) in world.run(_losses_both, stage, schedule):
+@pytest.mark.parametrize(("stage", "schedule", "skip"),
+                         [(0, "s1", True), (1, "s2", False), (2, "auto", True)])
+def test_training_losses_equal_deepspeed(world, stage, schedule, skip):
+    for (plain, plain_types), (parm, parm_types) in world.run(_losses_both, stage, schedule, skip):
         assert plain_types == ["MoE"] and parm_types == ["ParmMoE"]
         assert parm == pytest.approx(plain, rel=1e-5, abs=1e-6)
         assert plain[-1] < plain[0]  # it trains
@@ -118,6 +120,8 @@ def test_layer_rejects_bad_arguments_before_any_collective():
         ParmMoE(M, mlp(M, H), num_experts=4, schedule="fast")
     with pytest.raises(ValueError, match="overlap_chunks=0"):
         ParmMoE(M, mlp(M, H), num_experts=4, overlap_chunks=0)
+    with pytest.raises(ValueError, match="skip_empty_slots='no' must be true or false"):
+        ParmMoE(M, mlp(M, H), num_experts=4, skip_empty_slots="no")
 
 
 def test_initialize_takes_exactly_deepspeeds_arguments():
@@ -130,9 +134,10 @@ def test_initialize_takes_exactly_deepspeeds_arguments():
 def test_swap_keeps_parameters_and_is_detected_as_moe():
     net = Net(mlp(M, H), 1)
     before = {name: p for name, p in net.named_parameters()}
-    swapped = ds_plugins.engine.swap_moe_layers(net, ds_plugins.ParmConfig(enabled=True, schedule="s2"), 1, 1)
+    config = ds_plugins.ParmConfig(enabled=True, schedule="s2", skip_empty_slots=False)
+    swapped = ds_plugins.engine.swap_moe_layers(net, config, 1, 1)
     assert isinstance(swapped.moe, ParmMoE) and isinstance(swapped.moe, MoE)
-    assert swapped.moe.schedule == "s2"
+    assert swapped.moe.schedule == "s2" and swapped.moe.skip_empty_slots is False
     after = dict(swapped.named_parameters())
     assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)
     assert all(getattr(p, "allreduce", True) is False for n, p in after.items() if "experts" in n)

@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from commweave import comm
 from commweave.ledger import recording
-from ds_plugins import ParmMoE
+from ds_plugins import ParmMoE, routing
 from tests.ds_plugins.deepspeed_oracle import (
     LocalOracle,
     Weights,
@@ -30,17 +31,20 @@ from tests.ds_plugins.deepspeed_oracle import (
 S, M, H, E = 24, 8, 16, 8
 F32 = 4
 
-# (name, schedule, k, drop_tokens, capacity_factor, top2 sampling, overlap chunks)
+# (name, schedule, k, drop_tokens, capacity_factor, top2 sampling, overlap chunks, skip empty slots)
 CASES = [
-    ("s2-k1-drop", "s2", 1, True, 1.0, True, 2),
-    ("s2-k2-drop", "s2", 2, True, 1.25, True, 3),
-    ("s2-k2-nodrop", "s2", 2, False, 1.0, True, 4),
-    ("s1-k1-nodrop", "s1", 1, False, 1.0, False, 2),
-    ("s1-k2-drop-nonbinding", "s1", 2, True, 4.0, False, 4),
-    ("s1-k2-nodrop", "s1", 2, False, 1.0, False, 1),
-    ("deepspeed-k1-drop", "deepspeed", 1, True, 1.0, True, 1),
-    ("deepspeed-k2-drop", "deepspeed", 2, True, 1.25, True, 1),
-    ("deepspeed-k2-nodrop", "deepspeed", 2, False, 1.0, True, 1),
+    ("s2-k1-drop", "s2", 1, True, 1.0, True, 2, True),
+    ("s2-k2-drop", "s2", 2, True, 1.25, True, 3, True),
+    ("s2-k2-drop-all-slots", "s2", 2, True, 1.25, True, 3, False),
+    ("s2-k2-nodrop", "s2", 2, False, 1.0, True, 4, True),
+    ("s1-k1-nodrop", "s1", 1, False, 1.0, False, 2, True),
+    ("s1-k2-drop-nonbinding", "s1", 2, True, 4.0, False, 4, True),
+    ("s1-k2-drop-nonbinding-all-slots", "s1", 2, True, 4.0, False, 4, False),
+    ("s1-k2-nodrop", "s1", 2, False, 1.0, False, 1, True),
+    ("deepspeed-k1-drop", "deepspeed", 1, True, 1.0, True, 1, True),
+    ("deepspeed-k2-drop", "deepspeed", 2, True, 1.25, True, 1, True),
+    ("deepspeed-k2-drop-all-slots", "deepspeed", 2, True, 1.25, True, 1, False),
+    ("deepspeed-k2-nodrop", "deepspeed", 2, False, 1.0, True, 1, True),
 ]
 
 
@@ -68,13 +72,14 @@ def _run(layer, x, go):
 
 
 def _compare(tp: int, ep: int, shard: bool, case) -> dict:
-    _, schedule, k, drop, cf, sampling, chunks = case
+    _, schedule, k, drop, cf, sampling, chunks, skip = case
     w = Weights.random(E, M, H)
     x, go = _inputs()
     kw = dict(k=k, capacity_factor=cf, eval_capacity_factor=cf, min_capacity=0, drop_tokens=drop,
               top2_2nd_expert_sampling=sampling)
     parm = ParmMoE(M, mlp(M, H), num_experts=E, ep_size=ep, enable_expert_tensor_parallelism=shard,
-                   schedule=schedule, overlap_chunks=chunks, debug=schedule == "s2", **kw)
+                   schedule=schedule, overlap_chunks=chunks, skip_empty_slots=skip, debug=schedule == "s2",
+                   **kw)
     load_parm(parm, w)
     parm.set_deepspeed_parallelism()
     got = _run(parm, x, go)
@@ -152,7 +157,7 @@ def test_schedules_equal_deepspeed_moe(world, ranks, tp, ep, shard):
 @pytest.mark.world_size(4)
 def test_unsharded_experts_with_tensor_parallel_attention(world):
     """ESP = 1 with tp = 2 (enable_expert_tensor_parallelism off): DeepSpeed's legacy EP groups."""
-    names = ["s2-k2-drop", "s1-k2-nodrop", "deepspeed-k1-drop"]
+    names = ["s2-k2-drop", "s2-k2-drop-all-slots", "s1-k2-nodrop", "deepspeed-k1-drop"]
     for rank, res in enumerate(world.run(_compare_all, 2, 2, False, names)):
         for name, err in res.items():
             assert err["counts_equal"], (rank, name, err)
@@ -164,20 +169,37 @@ def _ledger(tp: int, ep: int, shard: bool, tokens: int, k: int, cf: float, chunk
     use_layout(tp, ep, shard)
     torch.manual_seed(dist.get_rank() // tp)
     x, go = torch.randn(tokens, M), torch.randn(tokens, M)
-    sent = {}
-    for schedule in ("deepspeed", "s1", "s2"):
-        layer = ParmMoE(M, mlp(M, H), num_experts=E, ep_size=ep, k=k, capacity_factor=cf, min_capacity=0,
-                        enable_expert_tensor_parallelism=shard, schedule=schedule, overlap_chunks=chunks)
-        layer.set_deepspeed_parallelism()
-        with recording() as led:
-            _run(layer, x, go)
-        sent[schedule] = {key: v["sent"] for key, v in led.as_dict().items()}
-    return sent
+    sent, rows = {}, {}
+    for skip in (True, False):
+        for schedule in ("deepspeed", "s1", "s2"):
+            layer = ParmMoE(M, mlp(M, H), num_experts=E, ep_size=ep, k=k, capacity_factor=cf, min_capacity=0,
+                            enable_expert_tensor_parallelism=shard, schedule=schedule, overlap_chunks=chunks,
+                            skip_empty_slots=skip)
+            layer.set_deepspeed_parallelism()
+            if schedule == "deepspeed":
+                rows[skip] = _live_rows(layer, x) if skip else [ep * _capacity(k, cf, tokens)] * (E // ep)
+            with recording() as led:
+                _run(layer, x, go)
+            sent[schedule, skip] = {key: v["sent"] for key, v in led.as_dict().items()}
+    return sent, rows
+
+
+def _live_rows(layer, x) -> list[int]:
+    """Rows the "deepspeed" schedule's local experts hold a token in: every EP source's live routes to
+    them (counted from the routes, independently of the layer's fill counts)."""
+    torch.manual_seed(7)
+    r = routing.route(layer.gate, x)
+    live = torch.bincount(r.indices[r.indices >= 0].long(), minlength=E)
+    every = live.new_empty(layer.ep_size * E)
+    comm.all_gather(every, live, layer.deepspeed_moe.ep_group)
+    e_l, first = E // layer.ep_size, layer.parm_groups.ep_rank * (E // layer.ep_size)
+    return every.view(layer.ep_size, E)[:, first: first + e_l].sum(0).tolist()
 
 
 def _formula(schedule: str, tp: int, ep: int, shard: bool, tokens: int, k: int, cf: float,
-             chunks: int) -> dict:
-    """Bytes sent per rank in one forward + backward, parm.md §2 (forward) and §2.7 (backward)."""
+             chunks: int, rows: list[int], skip: bool = True) -> dict:
+    """Bytes sent per rank in one forward + backward, parm.md §2 (forward) and §2.7 (backward); ``rows``:
+    the filled rows of each local expert ("deepspeed" all-reduces them inside the expert)."""
     n, p, s, b = tp, ep, tp if shard else 1, F32
     out: dict[str, int] = {}
 
@@ -185,6 +207,9 @@ def _formula(schedule: str, tp: int, ep: int, shard: bool, tokens: int, k: int, 
         if value:
             out[key] = out.get(key, 0) + value
 
+    if skip:                                                          # fill counts, E int32, forward
+        add("all_to_all@ep", E * 4 - E * 4 // p)
+        add("all_gather@esp", E * 4 * (s - 1) if schedule != "deepspeed" else 0)
     c = _capacity(k, cf, tokens)
     if schedule == "s1":
         mine = math.ceil(tokens / n)
@@ -206,7 +231,7 @@ def _formula(schedule: str, tp: int, ep: int, shard: bool, tokens: int, k: int, 
     else:
         v = E * c * M * b
         add("all_to_all@ep", 4 * (v - v // p))
-        add("all_reduce@esp", 2 * (E // p) * (2 * (v // E * p) * (s - 1) // s))  # per expert, fwd + bwd
+        add("all_reduce@esp", sum(2 * (2 * f * M * b * (s - 1) // s) for f in rows))  # per expert, fwd + bwd
     return out
 
 
@@ -217,12 +242,15 @@ def _pad(c: int, multiple: int) -> int:
 @pytest.mark.parametrize(("ranks", "tp", "ep", "shard"), LAYOUTS)
 def test_ledger_bytes_per_group_equal_formulas(world, ranks, tp, ep, shard):
     tokens, k, cf, chunks = 26, 2, 1.25, 3   # C = 9: odd, so S2 pads; S/N uneven for tp = 4
-    for rank, sent in enumerate(world.run(_ledger, tp, ep, shard, tokens, k, cf, chunks)):
-        for schedule, got in sent.items():
-            assert got == _formula(schedule, tp, ep, shard, tokens, k, cf, chunks), (rank, schedule)
+    for rank, (sent, rows) in enumerate(world.run(_ledger, tp, ep, shard, tokens, k, cf, chunks)):
+        assert sum(rows[True]) < sum(rows[False]), rows   # cf 1.25: some slots stay empty
+        for (schedule, skip), got in sent.items():
+            assert got == _formula(schedule, tp, ep, shard, tokens, k, cf, chunks, rows[skip], skip), \
+                (rank, schedule, skip)
 
 
 @pytest.mark.world_size(4)
 def test_ledger_unsharded_experts(world):
-    for schedule, got in world.run(_ledger, 2, 2, False, 24, 2, 1.25, 2)[0].items():
-        assert got == _formula(schedule, 2, 2, False, 24, 2, 1.25, 2), schedule
+    sent, rows = world.run(_ledger, 2, 2, False, 24, 2, 1.25, 2)[0]
+    for (schedule, skip), got in sent.items():
+        assert got == _formula(schedule, 2, 2, False, 24, 2, 1.25, 2, rows[skip], skip), (schedule, skip)

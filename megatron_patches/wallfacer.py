@@ -209,6 +209,43 @@ def _dkv_shape(kv0: torch.Tensor, c: int) -> tuple[int, ...]:
     return (c, 2, kv0.shape[1] // c, *kv0.shape[2:])
 
 
+class _Relay:
+    """A gradient that hops along the sub-ring once per step, each rank adding its contribution
+    (dK/dV travelling with the K/V, or dQ with the queries), then a last hop to its owner.
+
+    Step i accumulates into a fresh zeroed buffer while step i−1's sum is still being sent and the
+    predecessor's sum is arriving; after the wait the arrived buffer is added and both are free
+    again. So at most three buffers live (a pool), and the final hop lands in a recycled one.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self._shape, self._dtype, self._free = shape, dtype, []
+        self._works, self._sent, self._arriving = [], None, None
+
+    def _take(self) -> torch.Tensor:
+        return self._free.pop() if self._free else torch.empty(self._shape, dtype=self._dtype)
+
+    def begin(self) -> torch.Tensor:
+        """The zeroed accumulator of this step's contributions."""
+        return self._take().zero_()
+
+    def pass_on(self, blk: torch.Tensor, hop) -> None:
+        """Add the predecessor's sum into ``blk`` and post ``hop(blk, recv) -> works``."""
+        for w in self._works:
+            w.wait()
+        if self._arriving is not None:
+            blk += self._arriving
+            self._free += [self._sent, self._arriving]
+        recv = self._take()
+        self._works, self._sent, self._arriving = hop(blk, recv), blk, recv
+
+    def result(self) -> torch.Tensor:
+        """What the last hop delivered to this rank."""
+        for w in self._works:
+            w.wait()
+        return self._arriving
+
+
 def _backward_kv(run: _Run, qdo, lse, kv0):
     """K/V and their gradients circulate; queries, dO, O and dQ stay (ring-flash-attention's scheme).
 
@@ -219,62 +256,48 @@ def _backward_kv(run: _Run, qdo, lse, kv0):
     acc, G, c = lse.dtype, lay.ring_len, lay.team_size
     dq = torch.zeros(_by_member(qdo[0], c), dtype=acc)
     kv_bufs = [torch.empty_like(kv0) for _ in range(min(2, G - 1))]
-    d_bufs = [torch.empty(_dkv_shape(kv0, c), dtype=acc) for _ in range(min(2, G))]
-    d_recv = torch.empty(_dkv_shape(kv0, c), dtype=acc) if G > 1 else None
-    kv_works, d_works, cur = [], [], kv0
+    relay = _Relay(_dkv_shape(kv0, c), acc)
+    home, home_src = lay.place_source(lay.ring_next(me)), lay.ring_prev(lay.place_target(me))
+    kv_works, cur = [], kv0
     for i in range(G):
         for w in kv_works:
             w.wait()
         nxt = kv_bufs[i % 2] if i + 1 < G else None
         kv_works = g.ring_shift([cur], [nxt], tag=0) if nxt is not None else []
-        blk = d_bufs[i % 2].zero_()
+        blk = relay.begin()
         _attend_backward(run, g.my_team, qdo, lse, cur, lay.kv_team(me, i), dq, blk)
-        for w in d_works:
-            w.wait()
-        if i > 0:
-            blk += d_recv
         if i + 1 < G:
-            d_works = g.ring_shift([blk], [d_recv], tag=1)
+            relay.pass_on(blk, lambda x, r: g.ring_shift([x], [r], tag=1))
         else:
-            home = torch.empty_like(blk)
-            d_works = g.permute(blk, lay.place_source(lay.ring_next(me)), home,
-                                lay.ring_prev(lay.place_target(me)), tag=1)
+            relay.pass_on(blk, lambda x, r: g.permute(x, home, r, home_src, tag=1))
         cur = nxt if nxt is not None else cur
-    for w in d_works:
-        w.wait()
-    return dq, home
+    return dq, relay.result()
 
 
 def _backward_q(run: _Run, qdo, lse, kv0):
-    """The paper's backward: each team's (q, dO, O, lse) and its dQ travel; dK/dV stay, then go home."""
+    """The paper's backward: each team's (q, dO, O, lse) and its dQ travel; dK/dV stay, then go home.
+
+    With G > 1 the dQ makes G hops: G − 1 with its queries, then the one back to its own team.
+    """
     g, lay, me = run.groups, run.lay, run.me
     acc, G, c = lse.dtype, lay.ring_len, lay.team_size
     dkv = torch.zeros(_dkv_shape(kv0, c), dtype=acc)
     b_bufs = [(torch.empty_like(qdo), torch.empty_like(lse)) for _ in range(min(2, G - 1))]
-    d_bufs = [torch.empty(_by_member(qdo[0], c), dtype=acc) for _ in range(min(2, G))]
-    d_recv = torch.empty(_by_member(qdo[0], c), dtype=acc) if G > 1 else None
-    b_works, d_works, cur = [], [], (qdo, lse)
+    relay = _Relay(_by_member(qdo[0], c), acc)
+    b_works, cur, blk = [], (qdo, lse), None
     for i in range(G):
         for w in b_works:
             w.wait()
         nxt = b_bufs[i % 2] if i + 1 < G else None
         b_works = g.ring_shift(list(cur), list(nxt), tag=0) if nxt is not None else []
-        blk = d_bufs[i % 2].zero_()
+        blk = relay.begin()
         _attend_backward(run, lay.q_team_at(me, i), cur[0], cur[1], kv0, lay.kv_team(me, 0), blk, dkv)
-        for w in d_works:
-            w.wait()
-        if i > 0:
-            blk += d_recv
-        if i + 1 < G:
-            d_works = g.ring_shift([blk], [d_recv], tag=1)
-        elif G > 1:
-            home = torch.empty_like(blk)
-            d_works = g.ring_shift([blk], [home], tag=1)
-        else:
-            home, d_works = blk, []
+        if G > 1:
+            relay.pass_on(blk, lambda x, r: g.ring_shift([x], [r], tag=1))
         cur = nxt if nxt is not None else cur
     dkv_home = torch.empty_like(dkv)
     works = g.permute(dkv, lay.place_source(me), dkv_home, lay.place_target(me), tag=2)
-    for w in d_works + works:
+    dq = relay.result() if G > 1 else blk
+    for w in works:
         w.wait()
-    return home, dkv_home
+    return dq, dkv_home

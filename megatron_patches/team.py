@@ -28,15 +28,17 @@ from commweave import comm
 from megatron_patches.groups import WallFacerGroups
 
 
-def gather_team(groups: WallFacerGroups, *stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def gather_team(groups: WallFacerGroups, *stacks: Sequence[torch.Tensor], empty=torch.empty
+                ) -> list[torch.Tensor]:
     """Each stack of L same-shaped [s, b, h, d] tensors → one [L, C·s, b, h, d] team tensor, chunk
-    ids ascending. One all-gather for all of them."""
+    ids ascending. One all-gather for all of them; ``empty(shape, dtype=, device=)`` makes the wire
+    buffer, which is dead on return."""
     c = groups.layout.team_size
     if c == 1:  # a rank's own two chunks already ascend (layout.rank_chunks)
         return [torch.stack(list(ts)) if len(ts) > 1 else ts[0].unsqueeze(0) for ts in stacks]
     first = stacks[0][0]
     sizes = [len(ts) * ts[0].numel() for ts in stacks]
-    wire = torch.empty((c, sum(sizes)), dtype=first.dtype, device=first.device)
+    wire = empty((c, sum(sizes)), dtype=first.dtype, device=first.device)
     mine, off = wire[comm.rank(groups.team)], 0
     for ts in stacks:
         for t in ts:
@@ -60,13 +62,14 @@ def reduce_team(groups: WallFacerGroups, tensors: Sequence[torch.Tensor], dtype:
                 ) -> list[torch.Tensor]:
     """[C, ...] team tensors in all-gather order (member-major) → this rank's [...], summed over the
     team. One reduce-scatter per tensor, in ``dtype``: the wire carries the activation dtype (§5.1),
-    so 32-bit accumulators of 16-bit activations are cast first (the only copy)."""
+    so 32-bit accumulators of 16-bit activations are cast first. The results never alias the inputs
+    (which may be reused buffers): with C = 1 they are copies."""
     c, out = groups.layout.team_size, []
     for t in tensors:
-        wire = t.to(dtype)
         if c == 1:
-            out.append(wire[0])
+            out.append(t[0].to(dtype, copy=True))
             continue
+        wire = t.to(dtype)
         mine = torch.empty(t.shape[1:], dtype=dtype, device=t.device)
         comm.reduce_scatter(mine, wire, groups.team)
         out.append(mine)

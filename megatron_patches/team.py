@@ -28,17 +28,20 @@ from commweave import comm
 from megatron_patches.groups import WallFacerGroups
 
 
-def gather_team(groups: WallFacerGroups, *stacks: Sequence[torch.Tensor], empty=torch.empty
-                ) -> list[torch.Tensor]:
+def _empty(key, shape, dtype, device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def gather_team(groups: WallFacerGroups, *stacks: Sequence[torch.Tensor], empty=_empty) -> list[torch.Tensor]:
     """Each stack of L same-shaped [s, b, h, d] tensors → one [L, C·s, b, h, d] team tensor, chunk
-    ids ascending. One all-gather for all of them; ``empty(shape, dtype=, device=)`` makes the wire
-    buffer, which is dead on return."""
+    ids ascending. One all-gather for all of them. ``empty(key, shape, dtype, device)`` makes the
+    buffers: key "wire" (dead on return) and the index of each stack's team tensor."""
     c = groups.layout.team_size
     if c == 1:  # a rank's own two chunks already ascend (layout.rank_chunks)
         return [torch.stack(list(ts)) if len(ts) > 1 else ts[0].unsqueeze(0) for ts in stacks]
     first = stacks[0][0]
     sizes = [len(ts) * ts[0].numel() for ts in stacks]
-    wire = empty((c, sum(sizes)), dtype=first.dtype, device=first.device)
+    wire = empty("wire", (c, sum(sizes)), first.dtype, first.device)
     mine, off = wire[comm.rank(groups.team)], 0
     for ts in stacks:
         for t in ts:
@@ -47,10 +50,10 @@ def gather_team(groups: WallFacerGroups, *stacks: Sequence[torch.Tensor], empty=
     comm.all_gather(wire, mine, groups.team)
     perm = groups.layout.sort_perm(groups.my_team)
     out, off = [], 0
-    for ts, n in zip(stacks, sizes, strict=True):
+    for key, (ts, n) in enumerate(zip(stacks, sizes, strict=True)):
         s, rest = ts[0].shape[0], ts[0].shape[1:]
         wire_l = wire[:, off:off + n].view(c, len(ts), 2, s // 2, -1)  # [member, l, half, rows, ·]
-        team = torch.empty((len(ts), 2 * c, s // 2, wire_l.shape[-1]), dtype=wire.dtype, device=wire.device)
+        team = empty(key, (len(ts), 2 * c, s // 2, wire_l.shape[-1]), wire.dtype, wire.device)
         for i, p in enumerate(perm):
             team[:, i].copy_(wire_l[p // 2, :, p % 2])
         out.append(team.view(len(ts), c * s, *rest))

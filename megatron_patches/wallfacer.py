@@ -100,9 +100,13 @@ class _Run:
             buf = self.groups.scratch[name] = torch.empty(shape, dtype=dtype)
         return buf
 
-    def wire(self, name: str):
-        """``empty`` for gather_team's wire buffer."""
-        return lambda shape, dtype, device: self.empty(name, shape, dtype, device)
+    def gather_buffers(self, name: str, transient: set):
+        """gather_team's ``empty``: kept buffers for the keys in ``transient``, new ones otherwise."""
+        def empty(key, shape, dtype, device):
+            if key in transient:
+                return self.empty(f"{name} {key}", shape, dtype, device)
+            return torch.empty(shape, dtype=dtype, device=device)
+        return empty
 
     def pieces(self, team: int, first: int, stop: int, half: int) -> list[tuple[slice, slice, int, slice]]:
         """Where a result over the team's sorted chunks [first, stop) goes in an all-gather-order
@@ -171,9 +175,11 @@ class _WallFacer(torch.autograd.Function):
         g, lay, me = run.groups, run.lay, run.me
         c, G, acc = lay.team_size, lay.ring_len, block.acc_dtype(q.dtype)
         # Phase 1: team all-gather (one collective for q, k, v), rows sorted by chunk.
-        (q_t,), kv = gather_team(g, [q], [k, v], empty=run.wire("wire fwd"))  # kv: [2, C·s, b, g, d]
-        # Phase 1b: the initial placement (Alg. 2); queries stay.
+        # Team K/V that is placed elsewhere is dead after the ring; q_t, and K/V that stays, are saved.
         placing = lay.place_target(me) != me
+        buffers = run.gather_buffers("fwd", {"wire", 1} if placing else {"wire"})
+        (q_t,), kv = gather_team(g, [q], [k, v], empty=buffers)  # kv: [2, C·s, b, g, d]
+        # Phase 1b: the initial placement (Alg. 2); queries stay.
         kv0 = torch.empty_like(kv) if placing else kv
         works = g.permute(kv, lay.place_target(me), kv0, lay.place_source(me), tag=0) if placing else []
         # Phase 2: G ring steps, the next K/V in flight while this one is attended (double buffer: G − 1
@@ -213,7 +219,7 @@ class _WallFacer(torch.autograd.Function):
         if run.lay.team_size == 1:
             do_t, o_t = dout, out
         else:
-            do_t, o_t = gather_team(run.groups, [dout, out], empty=run.wire("wire bwd"))[0]
+            do_t, o_t = gather_team(run.groups, [dout, out], empty=run.gather_buffers("bwd", {"wire", 0}))[0]
         if run.mode == "kv":
             dq, dkv = _backward_kv(run, (q_t, do_t, o_t), lse, kv0)
         else:

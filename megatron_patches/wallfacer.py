@@ -13,6 +13,8 @@ tensors hold the team's C·s rows sorted by chunk id (layout.py), so causal bloc
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from commweave import comm
@@ -90,21 +92,22 @@ class _Run:
         CPU torch has no caching allocator: glibc gives large freed blocks back to the kernel, so a
         call would page-fault its multi-MB accumulators and receive buffers in again each time (about
         4k faults per step at P = 8, C = 2, ~4% of a rank's CPU). CUDA's caching allocator already
-        reuses memory, so there this allocates. One buffer per name and layout; outputs and tensors
-        saved for the backward are never such buffers.
+        reuses memory, so there this allocates. One flat buffer per name and layout, grown to the largest
+        request: the forward and the backward use the same names for buffers of the same role (they
+        never live at once). Outputs and tensors saved for the backward are never such buffers.
         """
         if device.type != "cpu":
             return torch.empty(shape, dtype=dtype, device=device)
-        buf = self.groups.scratch.get(name)
-        if buf is None or buf.shape != shape or buf.dtype != dtype:
-            buf = self.groups.scratch[name] = torch.empty(shape, dtype=dtype)
-        return buf
+        n, buf = math.prod(shape), self.groups.scratch.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < n:
+            buf = self.groups.scratch[name] = torch.empty(n, dtype=dtype)
+        return buf[:n].view(shape)
 
-    def gather_buffers(self, name: str, transient: set):
-        """gather_team's ``empty``: kept buffers for the keys in ``transient``, new ones otherwise."""
+    def gather_buffers(self, names: dict):
+        """gather_team's ``empty``: kept buffers for the keys in ``names``, new ones otherwise."""
         def empty(key, shape, dtype, device):
-            if key in transient:
-                return self.empty(f"{name} {key}", shape, dtype, device)
+            if key in names:
+                return self.empty(names[key], shape, dtype, device)
             return torch.empty(shape, dtype=dtype, device=device)
         return empty
 
@@ -177,7 +180,7 @@ class _WallFacer(torch.autograd.Function):
         # Phase 1: team all-gather (one collective for q, k, v), rows sorted by chunk.
         # Team K/V that is placed elsewhere is dead after the ring; q_t, and K/V that stays, are saved.
         placing = lay.place_target(me) != me
-        buffers = run.gather_buffers("fwd", {"wire", 1} if placing else {"wire"})
+        buffers = run.gather_buffers({"wire": "wire", 1: "team"} if placing else {"wire": "wire"})
         (q_t,), kv = gather_team(g, [q], [k, v], empty=buffers)  # kv: [2, C·s, b, g, d]
         # Phase 1b: the initial placement (Alg. 2); queries stay.
         kv0 = torch.empty_like(kv) if placing else kv
@@ -185,7 +188,7 @@ class _WallFacer(torch.autograd.Function):
         # Phase 2: G ring steps, the next K/V in flight while this one is attended (double buffer: G − 1
         # receives into at most two buffers; the team's K/V buffer is free for one once placed, kv0 is
         # kept for the backward).
-        o = run.empty("o", _by_member(q_t, c), acc, q.device).zero_()
+        o = run.empty("acc", _by_member(q_t, c), acc, q.device).zero_()
         lse = torch.full((q.shape[1], q.shape[2], q_t.shape[0]), float("-inf"), dtype=acc)
         bufs = ([kv] if placing else [])[:G - 1]
         bufs += [run.empty(f"kv{j}", kv.shape, kv.dtype, kv.device) for j in range(min(2, G - 1) - len(bufs))]
@@ -219,7 +222,8 @@ class _WallFacer(torch.autograd.Function):
         if run.lay.team_size == 1:
             do_t, o_t = dout, out
         else:
-            do_t, o_t = gather_team(run.groups, [dout, out], empty=run.gather_buffers("bwd", {"wire", 0}))[0]
+            buffers = run.gather_buffers({"wire": "wire", 0: "team"})
+            do_t, o_t = gather_team(run.groups, [dout, out], empty=buffers)[0]
         if run.mode == "kv":
             dq, dkv = _backward_kv(run, (q_t, do_t, o_t), lse, kv0)
         else:
@@ -284,7 +288,7 @@ def _backward_kv(run: _Run, qdo, lse, kv0):
     """
     g, lay, me = run.groups, run.lay, run.me
     acc, G, c = lse.dtype, lay.ring_len, lay.team_size
-    dq = run.empty("dq", _by_member(qdo[0], c), acc, kv0.device).zero_()
+    dq = run.empty("acc", _by_member(qdo[0], c), acc, kv0.device).zero_()
     kv_bufs = [run.empty(f"kv{j}", kv0.shape, kv0.dtype, kv0.device) for j in range(min(2, G - 1))]
     relay = _Relay(run, "dkv", _dkv_shape(kv0, c), acc, kv0.device)
     home, home_src = lay.place_source(lay.ring_next(me)), lay.ring_prev(lay.place_target(me))
@@ -311,7 +315,7 @@ def _backward_q(run: _Run, qdo, lse, kv0):
     """
     g, lay, me = run.groups, run.lay, run.me
     acc, G, c = lse.dtype, lay.ring_len, lay.team_size
-    dkv = run.empty("dkv", _dkv_shape(kv0, c), acc, kv0.device).zero_()
+    dkv = run.empty("acc", _dkv_shape(kv0, c), acc, kv0.device).zero_()
     b_bufs = [(run.empty(f"qdo{j}", qdo.shape, qdo.dtype, qdo.device),
                run.empty(f"lse{j}", lse.shape, lse.dtype, lse.device)) for j in range(min(2, G - 1))]
     relay = _Relay(run, "dq", _by_member(qdo[0], c), acc, qdo.device)

@@ -18,7 +18,7 @@ Groups are cached per (CP group, layout) and named for the ledger: ``wallfacer.t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,7 +34,8 @@ def _subgroup(global_ranks: Sequence[int], name: str):
 
 @dataclass
 class WallFacerGroups:
-    """One rank's view: its CP group, the layout, and the team/sub-ring groups it belongs to."""
+    """One rank's view: its CP group, the layout, and the team/sub-ring groups it belongs to; plus
+    ``scratch``, the call-local CPU buffers wallfacer.py keeps between calls for this layout."""
 
     cp: object
     layout: Layout
@@ -42,6 +43,7 @@ class WallFacerGroups:
     team: object | None
     ring: object | None
     _ring_rank: dict[int, int]
+    scratch: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def my_team(self) -> int:

@@ -164,6 +164,22 @@ class Layout:
         ids = self.team_chunks(team)
         return sorted(range(len(ids)), key=ids.__getitem__)
 
+    def wire_runs(self, team: int, first: int, stop: int) -> list[tuple[int, int, int, int]]:
+        """Sorted chunks ``[first, stop)`` of a team as runs ``(sorted chunk, member, half, length)``
+        that are consecutive in one member's rows of the all-gather order (at most two chunks).
+
+        Accumulators that are reduce-scattered live in all-gather order (team.py); a kernel result
+        over a sorted range is added into them run by run.
+        """
+        perm, runs = self.sort_perm(team), []
+        for i in range(first, stop):
+            member, half = divmod(perm[i], 2)
+            if runs and half == 1 and perm[i - 1] == perm[i] - 1:
+                runs[-1] = (*runs[-1][:3], runs[-1][3] + 1)
+            else:
+                runs.append((i, member, half, 1))
+        return runs
+
 
 def causal_calls(q_chunks: Sequence[int], k_chunks: Sequence[int]) -> list[tuple[int, int, int, bool]]:
     """The kernel calls that cover one (query team × key team) block under the causal chunk rule.

@@ -1,5 +1,6 @@
 """Rank arithmetic of WallFacer, checked exhaustively in one process (rank-count independent)."""
 
+import itertools
 import random
 
 import pytest
@@ -116,6 +117,23 @@ def test_causal_calls_follow_the_chunk_rule():
             for b in kc:
                 want = "full" if b < a else "diag" if b == a else None
                 assert cover.get((a, b)) == want, (lay, tq, tk, a, b)
+
+
+def test_wire_runs_map_sorted_chunks_to_all_gather_order():
+    """Each sorted chunk of each range lands on its all-gather position; runs are maximal within a member."""
+    for lay in _layouts():
+        if lay.world > 64:
+            continue
+        for team in {0, lay.teams - 1}:
+            perm, n = lay.sort_perm(team), 2 * lay.team_size
+            for first in range(n):
+                for stop in range(first + 1, n + 1):
+                    runs = lay.wire_runs(team, first, stop)
+                    flat = [(j + k, 2 * m + h + k) for j, m, h, length in runs for k in range(length)]
+                    assert flat == [(i, perm[i]) for i in range(first, stop)], (lay, team, first, stop)
+                    assert all(h + length <= 2 for _, _, h, length in runs)
+                    for a, b in itertools.pairwise(runs):  # b would extend a: not maximal
+                        assert not (a[1] == b[1] and a[2] + a[3] == b[2]), (lay, runs)
 
 
 def _work(lay: Layout, rank: int, chunk: int) -> int:

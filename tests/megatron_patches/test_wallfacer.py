@@ -184,6 +184,27 @@ def test_p2p_is_half_of_ring_attention_at_p8_c2(world):
     assert means[1] == mean_p2p(Layout(8, 1), Shard(4, 2, 4, 2, 8, 4, 4))
 
 
+def _reuse_case(c, mode):
+    """Two calls in a row on other data (the next layer): the first call's output and gradients must be
+    unchanged afterwards, i.e. none of the buffers kept between calls (Run.empty) was handed out."""
+    first = None
+    for seed in (0, 1):
+        torch.manual_seed(seed * 100 + dist.get_rank())
+        q, k, v = (torch.randn(4, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        out = wallfacer_attention(q, k, v, dist.group.WORLD, c, backward=mode)
+        out.backward(torch.randn_like(out))
+        got = [out.detach(), q.grad, k.grad, v.grad]
+        first = first or (got, [t.clone() for t in got])
+    return max((a - b).abs().max().item() for a, b in zip(*first, strict=True))
+
+
+@pytest.mark.world_size(8)
+@pytest.mark.parametrize("mode", ["kv", "q"])
+def test_results_do_not_alias_buffers_kept_between_calls(world, mode):
+    for c in (1, 2):
+        assert max(world.run(_reuse_case, c, mode)) == 0.0, f"C={c}"
+
+
 def _bad(kind):
     """Break one rule (on every rank or on one) and return the ValueError text, or None."""
     me, world = dist.get_rank(), dist.get_world_size()

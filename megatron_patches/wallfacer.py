@@ -189,7 +189,7 @@ class _WallFacer(torch.autograd.Function):
         # receives into at most two buffers; the team's K/V buffer is free for one once placed, kv0 is
         # kept for the backward).
         o = run.empty("acc", _by_member(q_t, c), acc, q.device).zero_()
-        lse = torch.full((q.shape[1], q.shape[2], q_t.shape[0]), float("-inf"), dtype=acc)
+        lse = torch.full((q.shape[1], q.shape[2], q_t.shape[0]), float("-inf"), dtype=acc, device=q.device)
         bufs = ([kv] if placing else [])[:G - 1]
         bufs += [run.empty(f"kv{j}", kv.shape, kv.dtype, kv.device) for j in range(min(2, G - 1) - len(bufs))]
         cur, qb = kv0, _bhsd(q_t)
@@ -204,7 +204,7 @@ class _WallFacer(torch.autograd.Function):
         # reduce-scatter.
         lse_f = lse
         if c > 1:
-            lse_all = torch.empty((c, *lse.shape), dtype=acc)
+            lse_all = torch.empty((c, *lse.shape), dtype=acc, device=lse.device)
             comm.all_gather(lse_all, lse, g.team)
             lse_f = torch.logsumexp(lse_all, dim=0)
             weight = torch.exp(lse - lse_f).unsqueeze(-1)

@@ -89,18 +89,18 @@ def wallfacer_gpt_model_class():
     """A GPTModel subclass whose layer and MTP specs get WallFacerAttention as core attention."""
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_patches.attention import with_wallfacer
-
-    from megatron_patches.attention import WallFacerAttention
+    from megatron_patches.attention import WallFacerAttention, with_wallfacer
 
     class WallFacerGPTModel(GPTModel):
         def __init__(self, config, transformer_layer_spec, *args, mtp_block_spec=None, **kwargs):
             mtp = None if mtp_block_spec is None else with_wallfacer(mtp_block_spec)
-            super().__init__(config, with_wallfacer(transformer_layer_spec), *args, mtp_block_spec=mtp, **kwargs)
+            layers = with_wallfacer(transformer_layer_spec)
+            super().__init__(config, layers, *args, mtp_block_spec=mtp, **kwargs)
             cores = [m for m in self.modules() if isinstance(m, WallFacerAttention)]
             if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-                print(f"megatron_patches.megatron_lm: WallFacerAttention is the core attention of {len(cores)} "
-                      f"layers (team size {cores[0].wallfacer.team_size if cores else '-'})", flush=True)
+                team = cores[0].wallfacer.team_size if cores else "-"
+                print(f"megatron_patches.megatron_lm: WallFacerAttention is the core attention of "
+                      f"{len(cores)} layers (team size {team})", flush=True)
 
     return WallFacerGPTModel
 

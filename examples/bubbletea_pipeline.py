@@ -127,7 +127,7 @@ class ClosedLoop:
             self.submit()
 
     def submit(self) -> None:
-        self.server.submit(self.next, prompt(self.next, self.tokens, self.server.model.cfg.vocab))
+        self.server.submit(self.next, prompt(self.next, self.tokens, self.server.config.vocab))
         self.next += 1
 
     def __call__(self, result) -> None:
@@ -154,15 +154,14 @@ def main() -> None:
     import deepspeed
     import torch.distributed as dist
 
-    from launch.bubbletea import CausalLM, LMConfig, PrefillServer
+    from launch.bubbletea import LMConfig, PrefillServer
     from launch.bubbletea.engine import enable
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     engine = build_engine(args.hidden, args.layers, args.micro_batches, args.batch)
     wan = emulate_wan_latency(args.wan_ms / 1e3)
-    model = CausalLM(LMConfig(max_seq=max(args.prompt, 16)))
-    server = PrefillServer(model, args.chunk, callback=lambda r: loop(r))
+    server = PrefillServer(LMConfig(max_seq=max(args.prompt, 16)), args.chunk, callback=lambda r: loop(r))
     loop = ClosedLoop(server, args.outstanding, args.prompt, first_id=dist.get_rank() * 1_000_000)
     bt = enable(engine, server)
     losses = [float(engine.train_batch(data(engine, step, args.batch, args.hidden)))
@@ -174,6 +173,7 @@ def main() -> None:
               "prefill_on": [it.prefill_on for it in bt.iterations]}
     print(json.dumps(report), flush=True)
     bt.undo()
+    server.stop()
     wan.undo()
     dist.barrier()
 

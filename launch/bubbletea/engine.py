@@ -1,11 +1,11 @@
 """BubbleTea on DeepSpeed's pipeline engine: prefill in the bubbles of ``TrainSchedule``.
 
     engine, *_ = deepspeed.initialize(model=pipeline_module, ...)
-    server = PrefillServer(CausalLM(LMConfig(...)), chunk_tokens=64, callback=ship_kv)
+    server = PrefillServer(LMConfig(...), chunk_tokens=64, callback=ship_kv)   # starts the prefill process
     bt = bubbletea.enable(engine, server)      # engine is now a BubbleTeaPipelineEngine
     server.submit("req-1", prompt_ids)         # any time, any thread
     loss = engine.train_batch(data_iter)       # unchanged; prefill runs in its bubbles
-    bt.undo()
+    bt.undo(); server.stop()
 
 **Where the bubbles are on a rank.** DeepSpeed's pipeline p2p is blocking (``dist.send``/``dist.recv``;
 on gloo even a send waits until the peer has posted its receive), so every bubble of a stage — the
@@ -16,31 +16,35 @@ times every instruction of every ``train_batch`` (the real-run timeline, lane = 
 instruction's window is its measured length at its place in the schedule (the lower quartile over the
 last iterations run without prefill, so prefill never feeds back into its own windows).
 
-**How a window is filled.** Each iteration, :meth:`PrefillServer.plan` packs the queued prompts into
-the windows (earliest fit, guard band). At a wait instruction with chunks planned, the training thread
-hands them to the rank's prefill thread (deadline = now + the window's length) and then enters the
-blocking transfer as usual; the prefill thread runs the chunks while the transfer waits, starting each
-only if it ends a guard band before the deadline and the transfer is still pending. The transfer is
-posted at once, not after the prefill: a peer blocked in its send on our receive is never held up,
-and a transfer that arrives early closes the window at once. The prefill thread runs at nice 19, the
-CPU's version of a low-priority stream: on an oversubscribed CPU (4 ranks on 2 cores here), a training
+**How a window is filled.** Each iteration the prefill service packs its queue into the windows
+(earliest fit, guard band). At a wait instruction that is a window, the training thread opens it
+(deadline = now + the window's length: a store to shared memory and one small message) and enters the
+blocking transfer as usual; the prefill process runs the window's chunks meanwhile, starting each only
+if it ends a guard band before the deadline and the window is still open; the transfer's return closes
+the window. Why not prefill in the training thread before it blocks, for the measured bubble: on gloo
+a receive that is not posted holds up the peer's send, so prefill in front of a receive delays the
+other stage by as much as it prefills; posting the transfer first and prefilling beside it keeps the
+peer's timing, and an early arrival closes the window at once. Why a process and not a thread: a
+low-priority thread shares the rank's GIL, and one descheduled while it holds the GIL stalls the
+training thread just when its transfer returns (see :mod:`.service`). The service runs at nice 19, the
+CPU's version of a low-priority stream: on an oversubscribed CPU (4 ranks on 2 cores here) a training
 thread that becomes runnable takes the core from any rank's prefill. Training ops are never moved or
 changed: the engine runs DeepSpeed's own schedule and instructions.
 
 **One model per rank, not one inference stage per training stage.** The paper's design card suggests
 splitting the inference model into a pipeline over the training stages (atlas.md §1.8 step 2). We keep
-a whole small model resident on every rank instead: (1) a prefill chunk then needs a window on one
+a whole small model resident beside every rank instead: (1) a prefill chunk then needs a window on one
 rank only, while a pipelined chunk needs a chain of windows, stage s+1's starting one hop after
 stage s's ends; the 1F1B bubbles of adjacent stages are mostly disjoint in time (stage s+1 idles while
 stage s works), so chains waste most windows; (2) no inference activations cross stage boundaries, and
-so never the WAN; (3) a request's KV cache is complete on one rank, ready to hand off. The price is
+so never the WAN; (3) a request's KV cache is complete in one place, ready to hand off. The price is
 memory: a full copy of the weights per GPU, which is why this is for a small model (the simulator's
 default is 1.3B parameters, 2.6 GB in bf16, next to an 80 GB GPU's training state).
 
-Exactness: the prefill runs in its own model, under ``inference_mode``, with its own RNG (none at
-all: greedy first token), on its own thread; training's weights, gradients, RNG state and
-instruction sequence are untouched, so training losses are bit-equal with and without BubbleTea (the
-4-rank test checks it).
+Exactness: the prefill runs in another process, on its own copy of the weights, under
+``inference_mode``, with no RNG at all (greedy first token); training's weights, gradients, RNG state
+and instruction sequence are untouched, so training losses are bit-equal with and without BubbleTea
+(the 4-rank test checks it).
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ from typing import ClassVar
 
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from launch.bubbletea.server import PrefillServer, Worker
+from launch.bubbletea.packer import Chunk
+from launch.bubbletea.server import PrefillServer
 from launch.bubbletea.timeline import Op, Window, busy_time
 
 WAITS = frozenset({"SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "AggregateLoss"})
@@ -94,44 +99,40 @@ class BubbleTea:
     reprofile_every: int = 50         # then one prefill-off iteration in this many
     min_window: float | None = None   # default: one chunk's predicted time + the guard band
     enabled: bool = True              # prefill on in the coming iterations (off: trace only)
-    nice: int = 19                    # the prefill thread's CPU priority (19: the lowest)
     iterations: list[Iteration] = field(default_factory=list)
     _profile: deque = field(default_factory=deque, init=False)
     _t0: float | None = field(default=None, init=False)
     _ops: list = field(default_factory=list, init=False)
-    _plan: dict = field(default_factory=dict, init=False)
+    _windows: dict = field(default_factory=dict, init=False)
     _on: bool = field(default=False, init=False)
-    _open: bool = field(default=False, init=False)
-    _worker: Worker | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.lane = self.engine.global_rank
         self._profile = deque(maxlen=self.history)
-        self._worker = Worker(self.server, self.nice)
 
     # -- per iteration ------------------------------------------------------------------------------
     def begin_iteration(self) -> None:
         n = len(self.iterations)
         reprofile = self.reprofile_every > 0 and (n - self.warmup + 1) % self.reprofile_every == 0
         self._on = self.enabled and n >= self.warmup and len(self._profile) > 0 and not reprofile
-        self._plan = {}
+        self._windows = {}
         if self._on:
-            for window, placed in self.server.plan(self.windows()).by_window().items():
-                self._plan[window.tag] = ([p.chunk for p in placed], window.length)
+            windows = self.windows()
+            self.server.plan(windows)
+            self._windows = {w.tag: w.length for w in windows}
         self._ops, self._t0 = [], time.perf_counter()
 
     def end_iteration(self, failed: bool = False) -> None:
         t1 = time.perf_counter()
-        self._worker.close()
+        self.server.close()
         t0, self._t0 = self._t0, None
         spans = [(max(a, t0) - t0, min(b, t1) - t0) for a, b in self.server.stats.spans if b > t0 and a < t1]
         it = Iteration(t1 - t0, self._ops, spans, self._on)
         self.iterations.append(it)
         if not self._on and not failed:
             self._profile.append(it)
-        if self._worker.error is not None and not failed:
-            err, self._worker.error = self._worker.error, None
-            raise RuntimeError("BubbleTea: the prefill thread failed") from err
+        if not failed:
+            self.server.raise_error()
 
     @contextmanager
     def instruction(self, kind: str):
@@ -140,16 +141,16 @@ class BubbleTea:
             yield
             return
         tag = len(self._ops)
-        planned = self._plan.get(tag) if kind in WAITS else None
+        length = self._windows.get(tag) if kind in WAITS else None
         start = time.perf_counter()
-        if planned:
-            self._worker.open(planned[0], start + planned[1])
+        if length:
+            self.server.open(tag, start + length)
         try:
             yield
         finally:
             end = time.perf_counter()
-            if planned:
-                self._worker.close()
+            if length:
+                self.server.close()
             self._ops.append(Op(self.lane, kind, start - self._t0, end - self._t0))
 
     def windows(self) -> list[Window]:
@@ -172,22 +173,19 @@ class BubbleTea:
                 out.append(Window(self.lane, start, start + length, tag))
         return out
 
-    def wait_idle(self, timeout: float = 30.0) -> None:
+    def wait_idle(self, timeout: float = 120.0) -> None:
         """Wait for a chunk still running after the last window closed (before reading statistics)."""
-        self._worker.idle(timeout)
+        self.server.sync(timeout)
 
     def undo(self) -> None:
-        """Stop the prefill thread and give the engine back its DeepSpeed class."""
-        self._worker.stop()
+        """Give the engine back its DeepSpeed class (the server is the caller's: ``server.stop()``)."""
         if isinstance(self.engine, BubbleTeaPipelineEngine):
             self.engine.__class__ = PipelineEngine
         self.engine.__dict__.pop("_bubbletea", None)
 
 
-def _smallest_chunk(server: PrefillServer):
-    from launch.bubbletea.packer import Chunk
-
-    c = min(server.chunk_tokens, server.model.cfg.max_seq)
+def _smallest_chunk(server: PrefillServer) -> Chunk:
+    c = min(server.chunk_tokens, server.config.max_seq)
     return Chunk(None, 0, c, c)
 
 
@@ -232,7 +230,6 @@ def enable(engine: PipelineEngine, server: PrefillServer, **options) -> BubbleTe
     if type(engine) is not PipelineEngine:
         raise TypeError(f"bubbletea.enable: engine must be a deepspeed PipelineEngine (what "
                         f"deepspeed.initialize returns for a PipelineModule), got {type(engine).__name__}")
-    server.calibrate()
     bt = BubbleTea(engine, server, **options)
     engine._bubbletea = bt
     engine.__class__ = BubbleTeaPipelineEngine

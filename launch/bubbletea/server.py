@@ -1,39 +1,51 @@
-"""The prefill service of one rank: its request queue, the resident model, the chunk cost model, and the
-worker that runs planned chunks while a window is open.
+"""A rank's prefill service, seen from the training process: submit prompts, get KV caches back.
 
-- ``submit(id, tokens)`` queues a prompt (any thread). A request is prefilled chunk by chunk into its own
-  KV cache; after the last chunk the caller's ``callback(PrefillResult)`` receives the cache, the last
-  token's logits and the first generated token (greedy: their argmax), on the worker thread.
-- :meth:`PrefillServer.plan` packs the queue into the windows of the coming iteration
-  (:func:`launch.bubbletea.packer.pack`, earliest fit with the guard band).
-- :class:`Worker` is one thread per rank. The training thread opens a window (its planned chunks and a
-  deadline = window start + the window's measured length) just before it blocks in a pipeline
-  send/recv, and closes it when the transfer is done. The worker starts a chunk only while the window
-  is open and only if ``now + cost + guard <= deadline``; a chunk it does not start stays queued (and
-  so does every later chunk of its request). A started chunk runs to its end: chunks are short next
-  to the windows they were packed into (non-preemptive, like a GPU kernel).
+    server = PrefillServer(LMConfig(...), chunk_tokens=64, callback=ship_to_decode)
+    server.submit("req-1", prompt_ids)        # any thread
+    ...                                        # the engine plans and opens windows (engine.py)
+    server.close()
 
-The cost of a chunk of c tokens into a cache of T is ``a + b·c + e·c·T`` (projections and MLP per
-token, attention against the whole cache, :mod:`launch.bubbletea.model`), fitted once by
-:meth:`PrefillServer.calibrate` and then scaled by a running ratio of measured to predicted times, so
-a slower (busier) machine is seen within a few chunks.
+The work runs in a separate process (:mod:`launch.bubbletea.service`, nice 19, its own copy of the
+weights, its own torch threads); this object is its proxy. The training thread's cost per window is a
+store into a shared word and one small pipe message; nothing here holds a lock the prefill needs.
+
+- ``submit(id, tokens)`` queues a prompt. A request is prefilled chunk by chunk into its own KV cache;
+  after its last chunk ``callback(PrefillResult)`` receives the cache, the last token's logits and the
+  first generated token (greedy: their argmax). The callback runs on this process's collector thread.
+- :meth:`plan` hands the coming iteration's windows to the service, which packs its queue into them
+  (:func:`launch.bubbletea.packer.pack`, earliest fit, guard band).
+- :meth:`open` / :meth:`close` bracket one window: the service starts each planned chunk only while
+  the window is open and only if ``now + cost + guard <= deadline``; a chunk it does not start stays
+  queued, and so does every later chunk of its request. A started chunk runs to its end
+  (non-preemptive, like a GPU kernel; chunks are short next to their windows).
+
+The cost of a chunk of c tokens into a cache of T is ``a + b·c + e·c·T``, fitted when the service starts
+and scaled by a running ratio of measured to predicted times, so a busier machine is seen within a few
+chunks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
+import subprocess
+import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
 
-from launch.bubbletea.model import CausalLM, KVCache
-from launch.bubbletea.packer import Chunk, Packing, Request, pack
+from launch.bubbletea.model import CausalLM, KVCache, LMConfig
+from launch.bubbletea.packer import Chunk
+from launch.bubbletea.service import recv, send
 from launch.bubbletea.timeline import Window
+
+_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 @dataclass
@@ -52,14 +64,6 @@ class PrefillResult:
 
 
 @dataclass
-class _Live:
-    tokens: torch.Tensor
-    submitted: float
-    cache: KVCache | None = None
-    done: int = 0
-
-
-@dataclass
 class Stats:
     chunks: int = 0
     tokens: int = 0
@@ -70,170 +74,159 @@ class Stats:
 
 
 class PrefillServer:
-    def __init__(self, model: CausalLM, chunk_tokens: int, callback: Callable[[PrefillResult], None],
-                 guard: float = 1e-3) -> None:
-        if chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens={chunk_tokens}: a chunk holds at least one token")
-        if guard < 0:
+    def __init__(self, config: LMConfig | CausalLM, chunk_tokens: int,
+                 callback: Callable[[PrefillResult], None], guard: float = 1e-3, nice: int = 19,
+                 threads: int = 1, cost: tuple[float, float, float] | None = None,
+                 start_timeout: float = 300.0) -> None:
+        """``config``: the inference model (a :class:`CausalLM` sends its weights along); ``nice``: the
+        service's CPU priority; ``cost``: a fixed ``(a, b, e)`` instead of timing the model."""
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens={chunk_tokens!r}: a chunk holds at least one token")
+        if not guard >= 0:
             raise ValueError(f"guard={guard}: the guard band cannot be negative")
-        self.model, self.chunk_tokens, self.callback, self.guard = model, chunk_tokens, callback, guard
+        if not -20 <= nice <= 19:
+            raise ValueError(f"nice={nice}: Linux nice values lie in -20..19")
+        model = config if isinstance(config, CausalLM) else None
+        self.config = model.cfg if model is not None else config
+        self.chunk_tokens, self.callback, self.guard = chunk_tokens, callback, guard
         self.stats = Stats()
-        self._queue: OrderedDict[Hashable, _Live] = OrderedDict()
-        self._lock = threading.Lock()
-        self._fit: tuple[float, float, float] | None = None
+        self.error: str | None = None
         self._ratio = 1.0
+        self._lock = threading.Lock()
+        self._pending: set = set()
+        self._pongs: dict[int, threading.Event] = {}
+        self._seq = 0.0
+        fd_window = os.memfd_create("bubbletea-window")
+        os.ftruncate(fd_window, 16)
+        self._window = memoryview(mmap.mmap(fd_window, 16)).cast("d")
+        from_parent, to_child = os.pipe()          # (read end, write end)
+        from_child, to_parent = os.pipe()
+        path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
+        fds = (from_parent, to_parent, fd_window)
+        code = f"from launch.bubbletea.service import main; main({list(fds)})"
+        self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=fds,
+                                      env={**os.environ, "PYTHONPATH": path}, cwd=_ROOT)
+        for fd in fds:
+            os.close(fd)
+        self._to = Connection(to_child, readable=False)
+        self._from = Connection(from_child, writable=False)
+        send(self._to, "setup", {"config": self.config, "chunk_tokens": chunk_tokens, "guard": guard,
+                                 "nice": nice, "threads": threads, "cost": cost,
+                                 "state_dict": model.state_dict() if model is not None else None})
+        deadline = time.monotonic() + start_timeout
+        while not self._from.poll(0.5):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self._proc.kill()
+                raise RuntimeError("the BubbleTea prefill service did not start "
+                                   f"(exit code {self._proc.poll()})")
+        msg = recv(self._from)
+        if msg[0] != "ready":
+            self._proc.kill()
+            raise RuntimeError(f"the BubbleTea prefill service failed to start:\n{msg[-1]}")
+        self.fit = msg[1]
+        self._collector = threading.Thread(target=self._collect, name="bubbletea-collector", daemon=True)
+        self._collector.start()
 
     # -- requests ---------------------------------------------------------------------------------
     def submit(self, request: Hashable, tokens: torch.Tensor) -> None:
-        tokens = torch.as_tensor(tokens, dtype=torch.long).flatten()
-        if tokens.numel() < 1 or tokens.numel() > self.model.cfg.max_seq:
+        tokens = torch.as_tensor(tokens, dtype=torch.long).flatten().clone()
+        if not 1 <= tokens.numel() <= self.config.max_seq:
             raise ValueError(f"request {request!r}: {tokens.numel()} tokens; the model takes "
-                             f"1..{self.model.cfg.max_seq}")
-        if int(tokens.min()) < 0 or int(tokens.max()) >= self.model.cfg.vocab:
-            raise ValueError(f"request {request!r}: token ids must lie in [0, {self.model.cfg.vocab})")
+                             f"1..{self.config.max_seq}")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab:
+            raise ValueError(f"request {request!r}: token ids must lie in [0, {self.config.vocab})")
         with self._lock:
-            if request in self._queue:
+            if request in self._pending:
                 raise ValueError(f"request {request!r} is already queued")
-            self._queue[request] = _Live(tokens, time.perf_counter())
-
-    def pending(self) -> list[Request]:
-        with self._lock:
-            return [Request(rid, live.tokens.numel(), done=live.done) for rid, live in self._queue.items()]
+            self._pending.add(request)
+            send(self._to, "submit", request, tokens, time.perf_counter())
 
     def __len__(self) -> int:
-        return len(self._queue)
-
-    # -- cost model ---------------------------------------------------------------------------------
-    def calibrate(self, capacities: Sequence[int] = (), repeats: int = 3) -> None:
-        """Time chunks of a few sizes into caches of a few capacities; fit ``a + b·c + e·c·T``."""
-        cfg, c = self.model.cfg, self.chunk_tokens
-        caps = list(capacities) or sorted({min(cfg.max_seq, c), min(cfg.max_seq, 4 * c)})
-        rows, times = [], []
-        g = torch.Generator().manual_seed(0)
-        for cap in caps:
-            for size in sorted({max(1, min(c, cap) // 2), min(c, cap)}):
-                tokens = torch.randint(cfg.vocab, (size,), generator=g)
-                samples = []
-                for _ in range(repeats + 1):                      # the first run warms the kernels
-                    cache = KVCache.empty(cfg, cap)
-                    t0 = time.perf_counter()
-                    self.model.prefill_chunk(tokens, cache)
-                    samples.append(time.perf_counter() - t0)
-                rows.append([1.0, float(size), float(size * cap)])
-                times.append(sorted(samples[1:])[len(samples[1:]) // 2])
-        sol = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
-                                 torch.tensor(times, dtype=torch.float64)[:, None]).solution.flatten()
-        a, b, e = (max(0.0, float(x)) for x in sol)
-        self._fit = (a or min(times) * 0.1, b, e)
+        return len(self._pending)
 
     def cost(self, chunk: Chunk) -> float:
-        if self._fit is None:
-            self.calibrate()
-        a, b, e = self._fit
+        """The service's current prediction for a chunk, in seconds."""
+        a, b, e = self.fit
         return self._ratio * (a + b * chunk.tokens + e * chunk.tokens * chunk.total)
 
-    # -- planning and running -----------------------------------------------------------------------
-    def plan(self, windows: Sequence[Window]) -> Packing:
-        return pack(windows, self.pending(), self.chunk_tokens, self.cost, self.guard)
-
-    def run_chunk(self, chunk: Chunk) -> bool:
-        """Prefill one chunk now; False (nothing done) unless it is its request's next chunk."""
+    # -- windows ------------------------------------------------------------------------------------
+    def plan(self, windows: Sequence[Window]) -> None:
         with self._lock:
-            live = self._queue.get(chunk.request)
-        if live is None or live.done != chunk.lo:
-            return False
-        if live.cache is None:
-            live.cache = KVCache.empty(self.model.cfg, live.tokens.numel())
-        predicted = self.cost(chunk) if self._fit is not None else None
-        t0 = time.perf_counter()
-        logits = self.model.prefill_chunk(live.tokens[chunk.lo:chunk.hi], live.cache)
-        t1 = time.perf_counter()
-        live.done = chunk.hi
-        if predicted:
-            self._ratio = 0.8 * self._ratio + 0.2 * self._ratio * (t1 - t0) / predicted
-        st = self.stats
-        st.chunks, st.tokens, st.busy = st.chunks + 1, st.tokens + chunk.tokens, st.busy + (t1 - t0)
-        st.spans.append((t0, t1))
-        if chunk.hi == live.tokens.numel():
-            with self._lock:
-                del self._queue[chunk.request]
-            last = logits[-1].clone()
-            result = PrefillResult(chunk.request, live.cache, last, int(last.argmax()), live.submitted, t1)
-            st.ttft.append(result.ttft)
-            self.callback(result)
-        return True
+            send(self._to, "windows", [(w.tag, w.start, w.length) for w in windows])
 
-    def drain(self) -> None:
-        """Prefill everything still queued, now (outside any window: at the end of a run)."""
-        for req in self.pending():
-            for chunk in req.chunks(self.chunk_tokens):
-                self.run_chunk(chunk)
-
-
-class Worker:
-    """The thread that runs a rank's planned chunks inside open windows, at the lowest CPU priority
-    (nice 19: the CPU stand-in for a low-priority CUDA stream, atlas.md §1.8 step 5), so that when the
-    CPU is short, training threads of this and every other rank run first."""
-
-    def __init__(self, server: PrefillServer, nice: int = 19) -> None:
-        self.server, self.nice = server, nice
-        self._cv = threading.Condition()
-        self._job: tuple[list[Chunk], float] | None = None     # (chunks, deadline)
-        self._running = False
-        self._stop = False
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="bubbletea-prefill", daemon=True)
-        self._thread.start()
-
-    def open(self, chunks: list[Chunk], deadline: float) -> None:
-        with self._cv:
-            self._job = (list(chunks), deadline)
-            self._cv.notify()
+    def open(self, tag, deadline: float) -> None:
+        """A window opens now and ends at ``deadline`` (perf_counter seconds)."""
+        self._seq += 1
+        self._window[1] = deadline
+        self._window[0] = self._seq
+        with self._lock:
+            send(self._to, "open", tag, self._seq)
 
     def close(self) -> None:
-        with self._cv:
-            if self._job is not None:
-                self.server.stats.skipped += len(self._job[0])
-            self._job = None
+        self._window[1] = 0.0
 
-    def idle(self, timeout: float | None = None) -> bool:
-        """Wait until no chunk is running (the end of an iteration, before statistics are read)."""
-        with self._cv:
-            return self._cv.wait_for(lambda: self._job is None and not self._running, timeout)
+    def drain(self) -> None:
+        """Prefill everything still queued, now (at the end of a run), and wait for it."""
+        with self._lock:
+            send(self._to, "drain")
+        self.sync()
+
+    def sync(self, timeout: float = 120.0) -> None:
+        """Return once the service has done everything asked before, and its results are delivered."""
+        event = threading.Event()
+        with self._lock:
+            n = len(self._pongs)
+            self._pongs[n] = event
+            send(self._to, "ping", n)
+        if not event.wait(timeout):
+            raise TimeoutError(f"the BubbleTea prefill service did not answer within {timeout} s")
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the BubbleTea prefill service failed:\n{self.error}")
 
     def stop(self) -> None:
-        with self._cv:
-            self._stop, self._job = True, None
-            self._cv.notify()
-        self._thread.join(timeout=30)
+        with self._lock:
+            if self._proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    send(self._to, "stop")
+        try:
+            self._proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._collector.join(10)
+        self._to.close()
 
-    def _loop(self) -> None:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
-        guard = self.server.guard
+    # -- results --------------------------------------------------------------------------------------
+    def _collect(self) -> None:
+        st = self.stats
         while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._stop or self._job is not None)
-                if self._stop:
-                    return
-                chunks, deadline = self._job
-                if not chunks:
-                    self._job = None
-                    self._cv.notify_all()
-                    continue
-                chunk = chunks[0]
-                if time.perf_counter() + self.server.cost(chunk) + guard > deadline:
-                    self.server.stats.skipped += len(chunks)
-                    self._job = None
-                    self._cv.notify_all()
-                    continue
-                self._job = (chunks[1:], deadline)
-                self._running = True
             try:
-                self.server.run_chunk(chunk)
-            except BaseException as e:      # surfaced to the training thread by BubbleTea.end_iteration
-                self.error = e
-            finally:
-                with self._cv:
-                    self._running = False
-                    self._cv.notify_all()
+                msg = recv(self._from)
+            except (EOFError, OSError):
+                return
+            kind = msg[0]
+            if kind == "chunk":
+                _, t0, t1, tokens, self._ratio = msg
+                st.chunks, st.tokens, st.busy = st.chunks + 1, st.tokens + tokens, st.busy + (t1 - t0)
+                st.spans.append((t0, t1))
+            elif kind == "skipped":
+                st.skipped += msg[1]
+            elif kind == "done":
+                _, rid, k, v, length, logits, first, t_submit, t_done = msg
+                with self._lock:
+                    self._pending.discard(rid)
+                result = PrefillResult(rid, KVCache(k, v, length), logits, first, t_submit, t_done)
+                st.ttft.append(result.ttft)
+                try:
+                    self.callback(result)
+                except BaseException as e:          # surfaced to the training thread by raise_error
+                    self.error = f"the callback raised {e!r}"
+            elif kind == "pong":
+                self._pongs[msg[1]].set()
+            elif kind == "error":
+                self.error = msg[1]
+                for event in self._pongs.values():
+                    event.set()

@@ -21,10 +21,10 @@ def _train(with_bubbletea: bool) -> dict:
     wan = emulate_wan_latency(WAN_S)
     bt = loop = None
     if with_bubbletea:
-        server = PrefillServer(CausalLM(LMConfig(**LM)), chunk_tokens=16, callback=lambda r: loop(r),
-                               guard=5e-4)
+        server = PrefillServer(LMConfig(**LM), chunk_tokens=16, callback=lambda r: loop(r), guard=5e-4,
+                               nice=0)
         loop = ClosedLoop(server, outstanding=2, tokens=40, first_id=1000 * dist.get_rank(), keep=True)
-        bt = enable(engine, server, warmup=2, nice=0)
+        bt = enable(engine, server, warmup=2)
         assert type(engine) is BubbleTeaPipelineEngine
     try:
         losses = [float(engine.train_batch(data(engine, s, BATCH, HIDDEN))) for s in range(STEPS)]
@@ -43,6 +43,7 @@ def _train(with_bubbletea: bool) -> dict:
             out.update(checks=checks, on_iterations=len(on), windows=len(bt.windows()),
                        prefill_in_training=sum(it.prefill_busy > 0 for it in on))
             bt.undo()
+            server.stop()
             assert type(engine).__name__ == "PipelineEngine"
         return out
     finally:
@@ -75,11 +76,9 @@ def test_bubbletea_leaves_training_bit_equal_and_prefills_exactly(world):
 
 
 def test_enable_refuses_what_is_not_a_pipeline_engine():
-    from launch.bubbletea import CausalLM, LMConfig, PrefillServer
     from launch.bubbletea.engine import enable
 
-    server = PrefillServer(CausalLM(LMConfig(**LM)), 16, callback=print)
     with pytest.raises(TypeError, match="engine must be a deepspeed PipelineEngine"):
-        enable(torch.nn.Linear(2, 2), server)
+        enable(torch.nn.Linear(2, 2), server=None)
     with pytest.raises(ValueError, match="history=0 must be an integer >= 1"):
-        enable(torch.nn.Linear(2, 2), server, history=0)
+        enable(torch.nn.Linear(2, 2), server=None, history=0)

@@ -117,6 +117,8 @@ def bench_rank(cfg: dict) -> dict:
 def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> dict:
     r0 = ranks[0]
     ratios = [a / b for a, b in zip(r0["on"], r0["stock"], strict=True)]
+    control = [a / b for a, b in zip(r0["profile"], r0["stock"], strict=True)]   # A/A: the noise floor
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     per_rank_ratio = [_median([a / b for a, b in zip(r["on"], r["stock"], strict=True)]) for r in ranks]
     stock, on, prof = _median(r0["stock"]), _median(r0["on"]), _median(r0["profile"])
     util_off = statistics.mean(r["util_off"] for r in ranks)
@@ -139,14 +141,17 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
     print(f"| BubbleTea, prefill on | {on:.4f} | {100 * util_on:.1f}% | {tok_s:.0f} | "
           f"{_median(ttft):.3f} / {p90:.3f} |")
     print()
-    print(f"slowdown (median of paired on/stock, rank 0): {100 * (_median(ratios) - 1):+.2f}%; per rank "
+    print(f"slowdown (median of paired on/stock, rank 0): {100 * (_median(ratios) - 1):+.2f}% "
+          f"(quartiles {100 * (q[0] - 1):+.1f}% .. {100 * (q[2] - 1):+.1f}%); per rank "
           + ", ".join(f"{100 * (x - 1):+.2f}%" for x in per_rank_ratio))
+    print(f"noise floor (median of paired tracing-only/stock, rank 0): {100 * (_median(control) - 1):+.2f}%")
     print("per rank: " + "; ".join(
         f"rank {r['rank']}: prefill {r['prefill_busy_on'] / r['wall_on']:.0%} + training "
         f"{r['train_busy_on'] / r['wall_on']:.0%} of on-iterations, {r['prefilled']} prompts, "
         f"{r['chunks']} chunks "
         f"({r['skipped']} planned not started), windows (instr, ms) {r['windows']}" for r in ranks))
-    summary = {"slowdown": _median(ratios) - 1, "slowdown_per_rank": per_rank_ratio,
+    summary = {"slowdown": _median(ratios) - 1, "slowdown_per_rank": [x - 1 for x in per_rank_ratio],
+               "tracing_overhead": _median(control) - 1,
                "step_s_stock": stock, "step_s_bubbletea": on, "step_s_tracing": prof,
                "utilisation": util_off, "utilisation_bubbletea": util_on, "prefill_tokens_per_s": tok_s,
                "ttft_median_s": _median(ttft), "ttft_p90_s": p90, "load": [load_before, load_after]}

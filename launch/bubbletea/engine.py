@@ -99,7 +99,9 @@ class BubbleTea:
     reprofile_every: int = 50         # then one prefill-off iteration in this many
     min_window: float | None = None   # default: one chunk's predicted time + the guard band
     enabled: bool = True              # prefill on in the coming iterations (off: trace only)
-    iterations: list[Iteration] = field(default_factory=list)
+    keep: int = 1000                  # the most recent iterations kept in ``iterations``
+    iterations: deque = field(default_factory=deque, init=False)
+    count: int = field(default=0, init=False)  # train_batch calls so far
     _profile: deque = field(default_factory=deque, init=False)
     _t0: float | None = field(default=None, init=False)
     _ops: list = field(default_factory=list, init=False)
@@ -109,10 +111,11 @@ class BubbleTea:
     def __post_init__(self) -> None:
         self.lane = self.engine.global_rank
         self._profile = deque(maxlen=self.history)
+        self.iterations = deque(maxlen=self.keep)
 
     # -- per iteration ------------------------------------------------------------------------------
     def begin_iteration(self) -> None:
-        n = len(self.iterations)
+        n = self.count
         reprofile = self.reprofile_every > 0 and (n - self.warmup + 1) % self.reprofile_every == 0
         self._on = self.enabled and n >= self.warmup and len(self._profile) > 0 and not reprofile
         self._windows = {}
@@ -126,9 +129,11 @@ class BubbleTea:
         t1 = time.perf_counter()
         self.server.close()
         t0, self._t0 = self._t0, None
-        spans = [(max(a, t0) - t0, min(b, t1) - t0) for a, b in self.server.stats.spans if b > t0 and a < t1]
+        spans = [(max(a, t0) - t0, min(b, t1) - t0) for a, b in list(self.server.stats.spans)
+                 if b > t0 and a < t1]
         it = Iteration(t1 - t0, self._ops, spans, self._on)
         self.iterations.append(it)
+        self.count += 1
         if not self._on and not failed:
             self._profile.append(it)
         if not failed:
@@ -159,7 +164,9 @@ class BubbleTea:
         its = [it for it in self._profile if len(it.ops) == len(self._profile[-1].ops)]
         if not its:
             return []
-        smallest = self.server.cost(_smallest_chunk(self.server)) + self.server.guard
+        # the floor uses the calibrated cost: the service packs with its current one (a slow spell that
+        # stopped all prefill must not also hide every window from the service, or it never recovers)
+        smallest = self.server.cost(_smallest_chunk(self.server), calibrated=True) + self.server.guard
         floor = smallest if self.min_window is None else self.min_window
         out = []
         for tag, op in enumerate(its[-1].ops):
@@ -223,7 +230,7 @@ class BubbleTeaPipelineEngine(PipelineEngine):
 def enable(engine: PipelineEngine, server: PrefillServer, **options) -> BubbleTea:
     """Switch BubbleTea on for a DeepSpeed pipeline engine; ``options`` go to :class:`BubbleTea`.
     Returns the controller (``.undo()``, ``.enabled``, ``.iterations``)."""
-    for name, least in (("history", 1), ("warmup", 0), ("reprofile_every", 0)):
+    for name, least in (("history", 1), ("warmup", 0), ("reprofile_every", 0), ("keep", 1)):
         v = options.get(name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < least):
             raise ValueError(f"bubbletea.enable: {name}={v!r} must be an integer >= {least}")

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -68,7 +69,7 @@ class Stats:
     chunks: int = 0
     tokens: int = 0
     busy: float = 0.0
-    spans: list = field(default_factory=list)       # (start, end) perf_counter of every chunk
+    spans: deque = field(default_factory=lambda: deque(maxlen=100_000))   # (start, end) per chunk
     skipped: int = 0                                 # planned chunks not started (window short or closed)
     ttft: list = field(default_factory=list)
 
@@ -144,10 +145,10 @@ class PrefillServer:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def cost(self, chunk: Chunk) -> float:
-        """The service's current prediction for a chunk, in seconds."""
+    def cost(self, chunk: Chunk, calibrated: bool = False) -> float:
+        """The service's prediction for a chunk, in seconds: as last measured, or as calibrated at start."""
         a, b, e = self.fit
-        return self._ratio * (a + b * chunk.tokens + e * chunk.tokens * chunk.total)
+        return (1.0 if calibrated else self._ratio) * (a + b * chunk.tokens + e * chunk.tokens * chunk.total)
 
     # -- windows ------------------------------------------------------------------------------------
     def plan(self, windows: Sequence[Window]) -> None:

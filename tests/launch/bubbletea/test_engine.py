@@ -41,13 +41,26 @@ def _train(with_bubbletea: bool) -> dict:
                               and torch.equal(r.cache.k, full_cache.k) and torch.equal(r.logits, full))
             on = [it for it in bt.iterations if it.prefill_on]
             out.update(checks=checks, on_iterations=len(on), windows=len(bt.windows()),
-                       prefill_in_training=sum(it.prefill_busy > 0 for it in on))
+                       prefill_in_training=sum(it.prefill_busy > 0 for it in on),
+                       windows_are_bubbles=_windows_are_idle(bt))
             bt.undo()
             server.stop()
             assert type(engine).__name__ == "PipelineEngine"
         return out
     finally:
         wan.undo()
+
+
+def _windows_are_idle(bt) -> bool:
+    """The real-run windows (wait instructions) lie in the idle windows that bubble extraction finds
+    between the same iteration's compute instructions."""
+    from launch.bubbletea.engine import WAITS
+    from launch.bubbletea.timeline import extract_windows
+
+    last = [it for it in bt.iterations if not it.prefill_on][-1]
+    idle = extract_windows([op for op in last.ops if op.kind not in WAITS], last.wall)
+    waits = [op for op in last.ops if op.kind in WAITS]
+    return all(any(w.start <= op.start and op.end <= w.end for w in idle) for op in waits)
 
 
 def _prompt_of(request, loop):
@@ -69,6 +82,7 @@ def test_bubbletea_leaves_training_bit_equal_and_prefills_exactly(world):
         assert torch.equal(with_bt["rng"], without["rng"])
         assert all(with_bt["checks"])
         assert with_bt["on_iterations"] == STEPS - 2 and with_bt["windows"] >= 1
+        assert with_bt["windows_are_bubbles"]
     assert len(set(tuple(w["losses"]) for w, _ in results)) == 1        # every rank reports the same loss
     # the prefill did run inside training iterations and finished prompts (on at least one rank)
     assert sum(b["prefill_in_training"] for _, b in results) >= 1

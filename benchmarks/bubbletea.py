@@ -12,8 +12,8 @@ In one process tree, after ``--warmup`` iterations:
   class, no BubbleTea code on the path), *on* (BubbleTea prefilling), *profile* (BubbleTea's tracing
   without prefill: what the windows are measured from). The slowdown is the median over cycles of
   on / stock step time (rank 0's ``train_batch`` wall time; every rank's is within the noise of it);
-- ``--steady`` iterations with BubbleTea on: time to first token of the prompts submitted and finished
-  there.
+- ``--steady`` iterations (or more, up to 10x, until every rank finished 3 prompts submitted in this
+  phase) with BubbleTea on: time to first token of the prompts submitted and finished there.
 
 Utilisation per rank is (training compute + prefill) / wall time of the iteration, union of spans;
 training compute counts every instruction but the pipeline waits (sends, receives, the loss broadcast).
@@ -48,6 +48,7 @@ def bench_rank(cfg: dict) -> dict:
     import torch.distributed as dist
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
+    from commweave import comm
     from examples.bubbletea_pipeline import ClosedLoop, build_engine, data, emulate_wan_latency
     from launch.bubbletea import LMConfig, PrefillServer
     from launch.bubbletea.engine import BubbleTeaPipelineEngine, enable
@@ -84,9 +85,14 @@ def bench_rank(cfg: dict) -> dict:
         for k in range(3):
             arm = arms[(i + k) % 3]
             walls[arm].append(run(arm))
-    t_steady = time.perf_counter()
-    for _ in range(cfg["steady"]):
+    # steady: at least --steady iterations, more (up to 10x) until every rank finished 3 prompts
+    # submitted in this phase, so that their time to first token is measured
+    t_steady, n, finished = time.perf_counter(), 0, torch.zeros(1)
+    while n < cfg["steady"] or (finished.item() < 3 and n < 10 * cfg["steady"]):
         walls["on"].append(run("on"))
+        n += 1
+        finished[0] = sum(r.submitted >= t_steady for r in list(loop.results))
+        comm.all_reduce(finished, dist.group.WORLD, op="min")
     bt.wait_idle()
     steady_s = time.perf_counter() - t_steady
     its = bt.iterations
@@ -101,7 +107,7 @@ def bench_rank(cfg: dict) -> dict:
         "prefill_busy_on": sum(it.prefill_busy for it in on),
         "wall_on": sum(it.wall for it in on),
         "windows": [(w.tag, round(w.length * 1e3, 2)) for w in bt.windows()],
-        "steady_s": steady_s,
+        "steady_s": steady_s, "steady_iterations": n,
         "ttft": [r.ttft for r in list(loop.results) if r.submitted >= t_steady],
         "prefilled": len(loop.results), "tokens": server.stats.tokens, "chunks": server.stats.chunks,
         "skipped": server.stats.skipped, "rng_untouched": None,
@@ -132,7 +138,7 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
           f"{cfg['prompt']} tokens in chunks of {cfg['chunk']}, {cfg['outstanding']} queued per rank, "
           f"guard {cfg['guard_ms']:g} ms; nice: training {cfg['nice']}, prefill {cfg['prefill_nice']}")
     print(f"load average before {load_before}, after {load_after}; {cfg['pairs']} cycles "
-          f"(stock / on / profile, rotating), {cfg['steady']} steady iterations")
+          f"(stock / on / profile, rotating), {r0['steady_iterations']} steady iterations")
     print()
     print("| | step time (median, s) | GPU utilisation | prefill tokens/s | TTFT median / p90 (s) |")
     print("|---|---|---|---|---|")

@@ -129,8 +129,7 @@ class BubbleTea:
         t1 = time.perf_counter()
         self.server.close()
         t0, self._t0 = self._t0, None
-        spans = [(max(a, t0) - t0, min(b, t1) - t0) for a, b in list(self.server.stats.spans)
-                 if b > t0 and a < t1]
+        spans = [(max(a, t0) - t0, b - t0) for a, b in self.server.take_spans(t1) if b > t0]
         it = Iteration(t1 - t0, self._ops, spans, self._on)
         self.iterations.append(it)
         self.count += 1

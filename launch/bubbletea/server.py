@@ -69,7 +69,6 @@ class Stats:
     chunks: int = 0
     tokens: int = 0
     busy: float = 0.0
-    spans: deque = field(default_factory=lambda: deque(maxlen=100_000))   # (start, end) per chunk
     skipped: int = 0                                 # planned chunks not started (window short or closed)
     ttft: list = field(default_factory=list)
 
@@ -97,6 +96,7 @@ class PrefillServer:
         self._pending: set = set()
         self._pongs: dict[int, threading.Event] = {}
         self._seq = 0.0
+        self._spans: deque = deque(maxlen=100_000)   # (start, end) perf_counter of chunks not yet taken
         fd_window = os.memfd_create("bubbletea-window")
         os.ftruncate(fd_window, 16)
         self._window = memoryview(mmap.mmap(fd_window, 16)).cast("d")
@@ -144,6 +144,14 @@ class PrefillServer:
 
     def __len__(self) -> int:
         return len(self._pending)
+
+    def take_spans(self, until: float) -> list[tuple[float, float]]:
+        """The (start, end) of the chunks that ended by ``until`` and were not taken before; the service
+        runs one chunk at a time, so they arrive in order."""
+        out = []
+        while self._spans and self._spans[0][1] <= until:
+            out.append(self._spans.popleft())
+        return out
 
     def cost(self, chunk: Chunk, calibrated: bool = False) -> float:
         """The service's prediction for a chunk, in seconds: as last measured, or as calibrated at start."""
@@ -212,7 +220,7 @@ class PrefillServer:
             if kind == "chunk":
                 _, t0, t1, tokens, self._ratio = msg
                 st.chunks, st.tokens, st.busy = st.chunks + 1, st.tokens + tokens, st.busy + (t1 - t0)
-                st.spans.append((t0, t1))
+                self._spans.append((t0, t1))
             elif kind == "skipped":
                 st.skipped += msg[1]
             elif kind == "done":

@@ -110,7 +110,7 @@ def bench_rank(cfg: dict) -> dict:
         "steady_s": steady_s, "steady_iterations": n,
         "ttft": [r.ttft for r in list(loop.results) if r.submitted >= t_steady],
         "prefilled": len(loop.results), "tokens": server.stats.tokens, "chunks": server.stats.chunks,
-        "skipped": server.stats.skipped, "rng_untouched": None,
+        "skipped": server.stats.skipped, "closed": server.stats.closed,
     }
     out["tokens_per_s"] = server.stats.tokens / max(sum(it.wall for it in on), 1e-9)
     bt.undo()
@@ -155,7 +155,8 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
         f"rank {r['rank']}: prefill {r['prefill_busy_on'] / r['wall_on']:.0%} + training "
         f"{r['train_busy_on'] / r['wall_on']:.0%} of on-iterations, {r['prefilled']} prompts, "
         f"{r['chunks']} chunks "
-        f"({r['skipped']} planned not started), windows (instr, ms) {r['windows']}" for r in ranks))
+        f"(planned, not started: {r['skipped']} too long for the rest of their window, {r['closed']} after "
+        f"an early close), windows (instr, ms) {r['windows']}" for r in ranks))
     summary = {"slowdown": _median(ratios) - 1, "slowdown_per_rank": [x - 1 for x in per_rank_ratio],
                "tracing_overhead": _median(control) - 1,
                "step_s_stock": stock, "step_s_bubbletea": on, "step_s_tracing": prof,

@@ -69,7 +69,8 @@ class Stats:
     chunks: int = 0
     tokens: int = 0
     busy: float = 0.0
-    skipped: int = 0                                 # planned chunks not started (window short or closed)
+    skipped: int = 0             # planned chunks not started: the window's rest was too short for them,
+    closed: int = 0              # ... or the transfer had returned (the window closed) before their turn
     ttft: list = field(default_factory=list)
 
 
@@ -222,7 +223,10 @@ class PrefillServer:
                 st.chunks, st.tokens, st.busy = st.chunks + 1, st.tokens + tokens, st.busy + (t1 - t0)
                 self._spans.append((t0, t1))
             elif kind == "skipped":
-                st.skipped += msg[1]
+                if msg[2] == "closed":
+                    st.closed += msg[1]
+                else:
+                    st.skipped += msg[1]
             elif kind == "done":
                 _, rid, k, v, length, logits, first, t_submit, t_done = msg
                 with self._lock:

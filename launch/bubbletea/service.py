@@ -15,7 +15,7 @@ Messages in (pickled, over a pipe), one per line of the protocol:
     ("drain",)                           prefill everything queued, now
     ("ping", n)                          reply ("pong", n) once everything before it is done
     ("stop",)
-Messages out: ("ready", fit), ("chunk", t0, t1, tokens, ratio), ("skipped", n),
+Messages out: ("ready", fit), ("chunk", t0, t1, tokens, ratio), ("skipped", n, "closed" | "short"),
 ("done", id, k, v, length, logits, first_token, t_submit, t_done), ("pong", n), ("error", traceback).
 
 The window word is two float64: (seq, deadline). The rank writes the deadline then the seq when a
@@ -117,8 +117,11 @@ class Service:
     def run_window(self, tag, seq: float) -> None:
         chunks = self.plan.pop(tag, [])
         for i, chunk in enumerate(chunks):
-            if self.window[0] != seq or time.perf_counter() + self.cost(chunk) + self.guard > self.window[1]:
-                send(self.out, "skipped", len(chunks) - i)
+            if self.window[0] != seq or self.window[1] == 0.0:
+                send(self.out, "skipped", len(chunks) - i, "closed")
+                return
+            if time.perf_counter() + self.cost(chunk) + self.guard > self.window[1]:
+                send(self.out, "skipped", len(chunks) - i, "short")
                 return
             self.run_chunk(chunk)
 

@@ -57,7 +57,7 @@ def bench_rank(cfg: dict) -> dict:
     wan = emulate_wan_latency(cfg["wan_ms"] / 1e3)
     lm = LMConfig(hidden=cfg["lm_hidden"], layers=cfg["lm_layers"], max_seq=cfg["prompt"])
     server = PrefillServer(lm, cfg["chunk"], callback=lambda r: loop(r), guard=cfg["guard_ms"] / 1e3,
-                           nice=cfg["prefill_nice"])
+                           nice=cfg["prefill_nice"], idle=cfg["prefill_idle"])
     loop = ClosedLoop(server, cfg["outstanding"], cfg["prompt"], first_id=dist.get_rank() * 10**6)
     if cfg["nice"]:
         _renice_threads(cfg["nice"])
@@ -136,7 +136,8 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
           f"training {cfg['layers']} x Linear({cfg['hidden']}) + Tanh, {cfg['micro_batches']} micro-batches "
           f"of {cfg['batch']}; prefill LM hidden {cfg['lm_hidden']} x {cfg['lm_layers']} layers, prompts of "
           f"{cfg['prompt']} tokens in chunks of {cfg['chunk']}, {cfg['outstanding']} queued per rank, "
-          f"guard {cfg['guard_ms']:g} ms; nice: training {cfg['nice']}, prefill {cfg['prefill_nice']}")
+          f"guard {cfg['guard_ms']:g} ms; nice: training {cfg['nice']}, prefill {cfg['prefill_nice']}"
+          + (" + SCHED_IDLE" if cfg["prefill_idle"] else ""))
     print(f"load average before {load_before}, after {load_after}; {cfg['pairs']} cycles "
           f"(stock / on / profile, rotating), {r0['steady_iterations']} steady iterations")
     print()
@@ -184,7 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nice", type=int, default=0,
                     help="nice of the training threads (negative needs root: a stand-in for dedicated hosts "
                          "on a shared machine)")
-    ap.add_argument("--prefill-nice", type=int, default=19, help="nice of the prefill threads")
+    ap.add_argument("--prefill-nice", type=int, default=19, help="nice of the prefill service")
+    ap.add_argument("--prefill-idle", type=int, choices=(0, 1), default=1,
+                    help="1: the prefill service runs under SCHED_IDLE (default); 0: nice alone")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--pairs", type=int, default=12)
     ap.add_argument("--steady", type=int, default=12)

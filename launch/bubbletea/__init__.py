@@ -4,7 +4,7 @@
 - :mod:`.packer`    chunked prefill packed into the windows: earliest fit, guard band
 - :mod:`.model`     the inference model: a small causal LM with exact chunked prefill into a KV cache
 - :mod:`.server`    a rank's prefill service as the training process sees it: submit, windows, results
-- :mod:`.service`   the service itself: a nice-19 process holding the queue, model, cost model, packer
+- :mod:`.service`   the service itself: a SCHED_IDLE process holding the queue, model, cost model, packer
 - :mod:`.engine`    the DeepSpeed PipelineEngine extension (``enable(engine, server)``)
 - :mod:`.simulate`  BubbleTea in the what-if simulator (``python -m launch.plan TOPOLOGY --bubbletea``)
 

@@ -26,9 +26,10 @@ a receive that is not posted holds up the peer's send, so prefill in front of a 
 other stage by as much as it prefills; posting the transfer first and prefilling beside it keeps the
 peer's timing, and an early arrival closes the window at once. Why a process and not a thread: a
 low-priority thread shares the rank's GIL, and one descheduled while it holds the GIL stalls the
-training thread just when its transfer returns (see :mod:`.service`). The service runs at nice 19, the
-CPU's version of a low-priority stream: on an oversubscribed CPU (4 ranks on 2 cores here) a training
-thread that becomes runnable takes the core from any rank's prefill. Training ops are never moved or
+training thread just when its transfer returns (see :mod:`.service`). The service runs under Linux's
+SCHED_IDLE policy (and nice 19), the CPU's version of a low-priority stream: on an oversubscribed CPU
+(4 ranks on 2 cores here) a training thread that becomes runnable takes the core from any rank's
+prefill at once. Training ops are never moved or
 changed: the engine runs DeepSpeed's own schedule and instructions.
 
 **One model per rank, not one inference stage per training stage.** The paper's design card suggests

@@ -5,7 +5,7 @@
     ...                                        # the engine plans and opens windows (engine.py)
     server.close()
 
-The work runs in a separate process (:mod:`launch.bubbletea.service`, nice 19, its own copy of the
+The work runs in a separate process (:mod:`launch.bubbletea.service`, SCHED_IDLE, its own copy of the
 weights, its own torch threads); this object is its proxy. The training thread's cost per window is a
 store into a shared word and one small pipe message; nothing here holds a lock the prefill needs.
 
@@ -77,10 +77,11 @@ class Stats:
 class PrefillServer:
     def __init__(self, config: LMConfig | CausalLM, chunk_tokens: int,
                  callback: Callable[[PrefillResult], None], guard: float = 1e-3, nice: int = 19,
-                 threads: int = 1, cost: tuple[float, float, float] | None = None,
+                 idle: bool = True, threads: int = 1, cost: tuple[float, float, float] | None = None,
                  start_timeout: float = 300.0) -> None:
-        """``config``: the inference model (a :class:`CausalLM` sends its weights along); ``nice``: the
-        service's CPU priority; ``cost``: a fixed ``(a, b, e)`` instead of timing the model."""
+        """``config``: the inference model (a :class:`CausalLM` sends its weights along); ``nice`` and
+        ``idle`` (Linux ``SCHED_IDLE``): the service's CPU priority; ``cost``: a fixed ``(a, b, e)``
+        instead of timing the model."""
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ValueError(f"chunk_tokens={chunk_tokens!r}: a chunk holds at least one token")
         if not guard >= 0:
@@ -113,7 +114,7 @@ class PrefillServer:
         self._to = Connection(to_child, readable=False)
         self._from = Connection(from_child, writable=False)
         send(self._to, "setup", {"config": self.config, "chunk_tokens": chunk_tokens, "guard": guard,
-                                 "nice": nice, "threads": threads, "cost": cost,
+                                 "nice": nice, "idle": idle, "threads": threads, "cost": cost,
                                  "state_dict": model.state_dict() if model is not None else None})
         deadline = time.monotonic() + start_timeout
         while not self._from.poll(0.5):

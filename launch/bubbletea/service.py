@@ -1,14 +1,17 @@
 """The prefill process of one rank: ``main([fd_in, fd_out, fd_window])`` in a fresh interpreter.
 
 Started by :class:`launch.bubbletea.server.PrefillServer`; it owns the request queue, the resident
-inference model, the chunk cost model and the packer, and runs at the lowest CPU priority (nice 19:
-the CPU stand-in for a low-priority CUDA stream). Why a process and not a thread of the rank: a
-prefill thread would share the rank's GIL, and a nice-19 thread descheduled while it holds the GIL
-stalls the training thread exactly when its transfer completes (the moment the other ranks compute and
-the cores are busy). Here the two share nothing but a window word in shared memory.
+inference model, the chunk cost model and the packer, and runs at the lowest CPU priority, the CPU
+stand-in for a low-priority CUDA stream: Linux's ``SCHED_IDLE`` policy (a normal thread that wakes up
+preempts it at once; under nice 19 alone the scheduler may first let it finish its time slice, which
+delays the training thread by up to a slice at every transfer it waits for) and nice 19. Why a process
+and not a thread of the rank: a prefill thread would share the rank's GIL, and a low-priority thread
+descheduled while it holds the GIL stalls the training thread exactly when its transfer completes (the
+moment the other ranks compute and the cores are busy). Here the two share nothing but a window word in
+shared memory.
 
 Messages in (pickled, over a pipe), one per line of the protocol:
-    ("setup", dict)                      config, weights, chunk size, guard, nice, threads, cost fit
+    ("setup", dict)                      config, weights, chunk size, guard, nice, idle, threads, cost
     ("submit", id, tokens, t_submit)     queue a prompt
     ("windows", [(tag, start, length)])  pack the queue into the coming iteration's windows
     ("open", tag, seq)                   a window opened: run its chunks while the window word allows
@@ -154,6 +157,8 @@ def main(fds: list[int]) -> None:
     try:
         setup = recv(conn_in)[1]
         os.setpriority(os.PRIO_PROCESS, 0, setup["nice"])
+        if setup["idle"]:       # before torch starts threads: they inherit the policy
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         torch.set_num_threads(setup["threads"])
         service = Service(out, window, setup)
         send(out, "ready", service.fit)

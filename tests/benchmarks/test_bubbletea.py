@@ -18,7 +18,7 @@ def _rank(rank, stock, on, profile, ttft):
 def test_report_pairs_the_arms(capsys):
     cfg = {"wan_ms": 10.0, "hidden": 8, "layers": 2, "micro_batches": 2, "batch": 2, "lm_hidden": 8,
            "lm_layers": 1, "prompt": 16, "chunk": 8, "guard_ms": 1.0, "outstanding": 1, "pairs": 3, "nice": 0,
-           "prefill_nice": 19}
+           "prefill_nice": 19, "prefill_idle": 1}
     # pairs: 1.00/1.00, 1.10/1.00 (a noisy pair), 0.98/1.00 -> median ratio 1.00; medians of the arms alone
     # would say otherwise if the pairs were not kept together
     ranks = [_rank(0, [1.0, 1.0, 1.0], [1.0, 1.1, 0.98], [1.02, 1.0, 1.0], [0.5, 0.7]),

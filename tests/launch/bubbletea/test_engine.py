@@ -24,7 +24,7 @@ def _train(with_bubbletea: bool) -> dict:
         # a fixed starting cost (the service corrects it from measured chunks): on a loaded machine a
         # timed calibration could put the window floor above every window
         server = PrefillServer(LMConfig(**LM), chunk_tokens=16, callback=lambda r: loop(r), guard=5e-4,
-                               nice=0, cost=(5e-4, 0.0, 0.0))
+                               nice=0, idle=False, cost=(5e-4, 0.0, 0.0))
         loop = ClosedLoop(server, outstanding=2, tokens=40, first_id=1000 * dist.get_rank(), keep=True)
         bt = enable(engine, server, warmup=2)
         assert type(engine) is BubbleTeaPipelineEngine

@@ -1,4 +1,4 @@
-"""A rank's prefill service (a separate nice-19 process): requests and the hand-off, the cost model, and
+"""A rank's prefill service (a separate SCHED_IDLE process): requests and the hand-off, the cost model, and
 the window rule (a planned chunk that would overrun its window is not started)."""
 
 import os
@@ -32,6 +32,7 @@ def test_service_runs_apart_at_the_lowest_priority(served):
     server, _ = served
     assert server._proc.pid != os.getpid()
     assert os.getpriority(os.PRIO_PROCESS, server._proc.pid) == 19
+    assert os.sched_getscheduler(server._proc.pid) == os.SCHED_IDLE
     assert server.cost(Chunk(0, 0, 8, 64)) == pytest.approx(0.05)
 
 

@@ -131,29 +131,46 @@ def enable_deepspeed(plan: Plan | None = None, connections: int | None = None, s
     Call on every rank after ``deepspeed.initialize`` returned a PipelineEngine (collective: it
     creates process groups). Returns the handle whose ``undo()`` restores DeepSpeed's p2p.
     """
-    from deepspeed.runtime.pipe import p2p
 
-    plan, connections, sharing = _settings(plan, connections, sharing)
-    grid = p2p._grid
-    if grid is None:
-        raise RuntimeError("enable_deepspeed: call it after deepspeed.initialize() built the PipelineEngine")
-    topo = grid.topology()
-    for r in range(plan.world_size):
-        c = topo.get_coord(r)
-        if (c.pipe, c.data, getattr(c, "model", 0)) != plan.coord(r):
-            raise ValueError(f"enable_deepspeed: the PipelineModule's topology puts rank {r} at {c}, the "
-                             f"plan at (stage, data, model) {plan.coord(r)}: build the model with "
-                             "topology=launch.runtime.pipe_topology(plan)")
-    wan = _wan_p2p(plan, connections, sharing, ifname)
+    def check(plan: Plan) -> None:
+        from deepspeed.runtime.pipe import p2p
+
+        from launch.wan_p2p import DEEPSPEED_PARAMS, Patch
+
+        grid = p2p._grid
+        if grid is None:
+            raise RuntimeError("enable_deepspeed: call it after deepspeed.initialize() built the "
+                               "PipelineEngine")
+        topo = grid.topology()
+        for r in range(plan.world_size):
+            c = topo.get_coord(r)
+            if (c.pipe, c.data, getattr(c, "model", 0)) != plan.coord(r):
+                raise ValueError(f"enable_deepspeed: the PipelineModule's topology puts rank {r} at {c}, the "
+                                 f"plan at (stage, data, model) {plan.coord(r)}: build the model with "
+                                 "topology=launch.runtime.pipe_topology(plan)")
+        for name, params in DEEPSPEED_PARAMS.items():
+            Patch.check(p2p, name, params)
+
+    wan = _wan_p2p(plan, connections, sharing, ifname, check)
     wan.patch_deepspeed()
     return wan
 
 
 def enable_megatron(plan: Plan | None = None, connections: int | None = None, sharing: str | None = None,
                     ifname: str | None = None) -> WanP2P:
-    """The same for Megatron-core's pipeline p2p (``_p2p_ops`` and ``_batched_p2p_ops``)."""
-    plan, connections, sharing = _settings(plan, connections, sharing)
-    wan = _wan_p2p(plan, connections, sharing, ifname)
+    """The same for Megatron-core's pipeline p2p (``_p2p_ops`` and ``_batched_p2p_ops``), which its
+    schedules (``forward_backward_pipelining_without_interleaving`` and the interleaved one) call
+    through ``P2PCommunicator``."""
+
+    def check(plan: Plan) -> None:
+        from megatron.core.pipeline_parallel import p2p_communication as mp
+
+        from launch.wan_p2p import MEGATRON_PARAMS, Patch
+
+        for name in ("_p2p_ops", "_batched_p2p_ops"):
+            Patch.check(mp, name, MEGATRON_PARAMS)
+
+    wan = _wan_p2p(plan, connections, sharing, ifname, check)
     wan.patch_megatron()
     return wan
 
@@ -174,20 +191,70 @@ def _settings(plan, connections, sharing) -> tuple[Plan, int, str]:
     plan = plan or current_plan()
     if plan is None:
         raise ValueError(f"no ATLAS plan: launch with deepspeed-atlas (it exports {ENV_PLAN}) or pass one")
-    connections = connections or int(os.environ.get(ENV_CONNS, plan.connections))
+    if connections is None:
+        text = os.environ.get(ENV_CONNS, str(plan.connections))
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"{ENV_CONNS}={text!r}: must be a positive integer")
+        connections = int(text)
     sharing = sharing or os.environ.get(ENV_SHARING, plan.sharing)
     if sharing not in ("temporal", "spatial"):
         raise ValueError(f"{ENV_SHARING}={sharing!r}: use 'temporal' or 'spatial'")
     return plan, connections, sharing
 
 
-def _wan_p2p(plan: Plan, connections: int, sharing: str, ifname: str | None) -> WanP2P:
+def _wan_p2p(plan, connections, sharing, ifname: str | None, check) -> WanP2P:
+    """Check everything that can fail on this rank, agree with every rank that nothing did (one
+    all-gather), then create the groups (collective) and return the unpatched handle."""
+    from commweave import comm
     from launch.sharing import TemporalSharing
-    from launch.striping import open_wan_groups
+    from launch.striping import open_wan_groups, retries, wan_devices
     from launch.wan_p2p import WanP2P
 
-    wan = open_wan_groups(plan, connections, ifname)
-    return WanP2P(wan, TemporalSharing(plan) if sharing == "temporal" else None)
+    problem, devices = None, ""
+    try:
+        plan, connections, sharing = _settings(plan, connections, sharing)
+        devices = wan_devices(plan, connections, ifname)
+        retries()
+        comm.timeout_s()
+        check(plan)
+    except (ValueError, RuntimeError) as e:
+        problem = e
+    _agree_before_setup(plan, connections, sharing, problem)
+    wan = open_wan_groups(plan, connections, devices=devices)
+    return WanP2P(wan, TemporalSharing(plan) if sharing == "temporal" else None, plan=plan)
+
+
+def _agree_before_setup(plan, connections, sharing, problem: Exception | None) -> None:
+    """Raise on every rank, before any group exists, if any rank could not set up or the ranks were
+    given different plans, connection counts or sharing modes (one all-gather of 4 integers)."""
+    import zlib
+
+    import torch
+    import torch.distributed as dist
+
+    from commweave import comm
+
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+              else torch.device("cpu"))
+    fingerprint = zlib.crc32(plan.encode().encode()) if isinstance(plan, Plan) else 0
+    conns = connections if isinstance(connections, int) else 0
+    mode = {"temporal": 1, "spatial": 2}.get(sharing, 0)
+    failed = int(problem is not None)
+    mine = torch.tensor([failed, fingerprint, conns, mode], dtype=torch.int64, device=device)
+    every = torch.empty(dist.get_world_size(), 4, dtype=torch.int64, device=device)
+    comm.all_gather(every, mine, dist.group.WORLD)
+    every = every.cpu()
+    failed = [r for r in range(len(every)) if every[r, 0]]
+    if failed:
+        here = f"; on this rank: {problem}" if problem is not None else "; see the error on those ranks"
+        raise ValueError(f"ATLAS set-up stopped on every rank before creating any group: rank(s) {failed} "
+                         f"could not set up{here}") from problem
+    for col, what in ((1, f"the plan ({ENV_PLAN})"), (2, f"the connections per WAN pair ({ENV_CONNS})"),
+                      (3, f"the sharing mode ({ENV_SHARING})")):
+        if (every[:, col] != every[0, col]).any():
+            values = ", ".join(f"rank {r}: {int(every[r, col])}" for r in range(len(every)))
+            raise ValueError(f"ATLAS set-up: the ranks disagree on {what} ({values}); every rank must get "
+                             "the same (deepspeed-atlas exports one value to all)")
 
 
 def _first(env, names) -> tuple[str, str] | None:

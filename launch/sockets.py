@@ -189,3 +189,46 @@ def established_connections(remote: set[str] | None = None, net_dir: str = "/pro
         if remote is None or peer in remote:
             count += 1
     return count
+
+
+def socket_inodes(fd_dir: str = "/proc/self/fd") -> set[int]:
+    """Inodes of the sockets this process holds."""
+    out = set()
+    for fd in os.listdir(fd_dir):
+        try:
+            target = os.readlink(os.path.join(fd_dir, fd))
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out.add(int(target[8:-1]))
+    return out
+
+
+def new_connections(before: set[int], net_dir: str = "/proc/self/net") -> list[str]:
+    """The ESTABLISHED TCP connections this process opened since ``before`` (:func:`socket_inodes`),
+    in the order they were created, as ``"local:port->remote:port"``. gloo connects a group's devices
+    one after the other, so for a two-rank group entry i is the connection of device i: how a broken
+    stripe is reported, and how tests find the connection to cut."""
+    fresh = socket_inodes() - before
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        try:
+            lines = Path(net_dir, table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "01" and int(fields[9]) in fresh:     # 01: ESTABLISHED
+                text = f"{_endpoint(fields[1], family)}->{_endpoint(fields[2], family)}"
+                found.append((int(fields[9]), text))
+    return [text for _, text in sorted(found)]
+
+
+def _endpoint(hex_addr: str, family: int) -> str:
+    addr, port = hex_addr.split(":")
+    raw = bytes.fromhex(addr)
+    if family == socket.AF_INET:
+        host = socket.inet_ntop(family, raw[::-1])
+    else:   # /proc prints IPv6 as four host-order 32-bit words
+        host = "[" + socket.inet_ntop(family, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))) + "]"
+    return f"{host}:{int(port, 16)}"

@@ -61,7 +61,7 @@ def _take_turns(sharing):
                     assert torch.equal(x, torch.full((N,), float(100 * call + peer)))
             dist.barrier()
     wan.undo()
-    tokens = sum(led.calls("send", f"atlas-token(stage{s},tp0)") for s in (0, 1))
+    tokens = sum(led.calls("send", f"atlas-token(stage{s},tp0,{d})") for s, d in ((0, "fwd"), (1, "bwd")))
     return log, tokens
 
 

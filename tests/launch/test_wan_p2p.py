@@ -27,7 +27,8 @@ def _deepspeed_training(sharing):
     restored = (p2p.send, p2p.recv) == originals
     me = dist.get_rank()
     wan = f"atlas-wan({me % 2},{me % 2 + 2})"
-    tokens = led.calls("send", f"atlas-token(stage{plan.coord(me)[0]},tp0)")
+    stage = plan.coord(me)[0]
+    tokens = led.calls("send", f"atlas-token(stage{stage},tp0,{'fwd' if stage == 0 else 'bwd'})")
     return losses, led.sent("send", wan), restored, plan.dp * plan.micro_batches, tokens
 
 

@@ -170,20 +170,11 @@ def established_connections(remote: set[str] | None = None, net_dir: str = "/pro
     """ESTABLISHED IPv4 TCP connections in a network namespace's view (``/proc/<pid>/net/tcp``):
     only those whose socket the process of ``fd_dir`` holds (None: all), and only to the ``remote``
     addresses when given. How tests and benchmarks check that a WAN pair has k connections."""
-    inodes = None
-    if fd_dir is not None:
-        inodes = set()
-        for fd in os.listdir(fd_dir):
-            try:
-                target = os.readlink(os.path.join(fd_dir, fd))
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
+    inodes = None if fd_dir is None else socket_inodes(fd_dir)
     count = 0
     for line in Path(net_dir, "tcp").read_text().splitlines()[1:]:
         fields = line.split()
-        if fields[3] != "01" or (inodes is not None and fields[9] not in inodes):   # 01: ESTABLISHED
+        if fields[3] != "01" or (inodes is not None and int(fields[9]) not in inodes):   # 01: ESTABLISHED
             continue
         peer = socket.inet_ntoa(struct.pack("<I", int(fields[2].split(":")[0], 16)))
         if remote is None or peer in remote:

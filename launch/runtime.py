@@ -234,6 +234,9 @@ def _agree_before_setup(plan, connections, sharing, problem: Exception | None) -
 
     from commweave import comm
 
+    if not dist.is_initialized():
+        raise problem or RuntimeError("ATLAS: torch.distributed is not initialised (call it after "
+                                      "init_process_group / deepspeed.init_distributed)")
     device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
               else torch.device("cpu"))
     fingerprint = zlib.crc32(plan.encode().encode()) if isinstance(plan, Plan) else 0

@@ -147,3 +147,19 @@ def test_settings_and_megatron_config(env, plan, tmp_path):
     one_dc = make_plan(topology.parse(RAW, source="t"), ModelSpec(layers=4, hidden=16, seq=8, global_batch=8,
                                                                   pp=1, tp=1, dp=2), 4, window=2**20)
     assert runtime.megatron_nccl_config(one_dc) is None
+
+
+def test_megatron_config_names_every_group_that_crosses_the_wan(env, plan, tmp_path):
+    """With pipe outermost, Megatron's pp, mp (tp x pp), embedding and tp_ep_pp groups span stages, hence
+    data centers: each gets net_name socket under the name megatron-core 0.16.1 looks it up by."""
+    import inspect
+
+    from megatron.core import parallel_state
+
+    text = Path(runtime.megatron_nccl_config(plan, directory=str(tmp_path))).read_text()
+    config = {group: {"net_name": net} for group, net in re.findall(r"(\w+):\n  net_name: (\w+)\n", text)}
+    assert text == "".join(f"{g}:\n  net_name: socket\n" for g in config)    # the whole file, as YAML
+    assert config == {g: {"net_name": "socket"} for g in ("pp", "mp", "embd", "pos_embd", "tp_ep_pp")}
+    source = inspect.getsource(parallel_state.initialize_model_parallel)
+    for name in config:
+        assert f'get_nccl_options("{name}", nccl_comm_cfgs)' in source, name

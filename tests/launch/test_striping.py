@@ -77,3 +77,33 @@ def _mismatch():
 @pytest.mark.world_size(4, env=LO)
 def test_plan_must_match_the_world(world):
     assert world.run(_mismatch) == [True] * 4
+
+
+class _FakeNCCLOptions:
+    """Stands in for torch.distributed.ProcessGroupNCCL.Options, absent from CPU builds of torch."""
+
+    def __init__(self, is_high_priority_stream=False):
+        self.is_high_priority_stream = is_high_priority_stream
+        self.config = type("Config", (), {})()
+
+
+def test_nccl_wan_groups_get_megatrons_socket_options(monkeypatch):
+    """On NCCL every WAN pair group is made with the options megatron-core builds for a group configured
+    `net_name: socket`; transfers go whole (NCCL stripes over its own sockets)."""
+    from types import SimpleNamespace
+
+    from megatron.core.parallel_state import get_nccl_options
+
+    made = []
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", SimpleNamespace(Options=_FakeNCCLOptions), raising=False)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append((ranks, kw)) or object())
+    wan = open_wan_groups(two_dc_plan(connections=8), 8)
+    assert [ranks for ranks, _ in made] == [[0, 2], [1, 3]] and wan.stripes == 1
+    megatron = get_nccl_options("pp", {"pp": {"net_name": "socket"}})
+    for _, kw in made:
+        assert vars(kw["pg_options"].config) == vars(megatron.config) == {"net_name": "socket"}
+        assert kw["pg_options"].is_high_priority_stream is megatron.is_high_priority_stream is False
+    assert list(wan.pairs) == [frozenset((0, 2))]            # rank 0's own pair

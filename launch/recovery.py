@@ -3,8 +3,11 @@ a stripe fails.
 
 gloo gives each device of a group one TCP connection per rank pair; when one breaks (a reset, a
 closed peer) or stalls (no progress within ``COMMWEAVE_TIMEOUT_S``: gloo then closes it), that device
-of the group is dead for good, and the other devices still work. A transfer that lost a stripe is
-therefore sent again on fresh connections, agreed by both ranks of the pair:
+of the group is dead for good, and the other devices still work. A transfer that lost some of its
+stripes while others arrived (so the peer is alive and the path works) is sent again on fresh
+connections, agreed by both ranks of the pair; one that lost every stripe (a dead or frozen peer, the
+whole path down, or a transfer small enough to go whole on one connection) is an error at once,
+naming the transfer, the stripe, its connection and the peer:
 
 1. report: a ``RuntimeWarning`` and an entry in ``WanGroups.events`` naming the transfer (pipeline
    coordinates), the stripe, its TCP connection (local and remote address and port) and the peer;
@@ -45,11 +48,16 @@ def recover(wan, pair, failing, failed: dict[int, Exception]) -> None:
     peer = pair.ranks[1] if pair.ranks[0] == me else pair.ranks[0]
     while True:
         failing.attempts += 1
-        _report(wan, pair, failing, failed, limit)
-        if dist.get_backend() != "gloo" or failing.attempts > limit:
+        hopeless = len(failed) == len(failing.views)
+        _report(wan, pair, failing, failed, limit, hopeless)
+        if hopeless or dist.get_backend() != "gloo" or failing.attempts > limit:
             i, e = next(iter(sorted(failed.items())))
-            why = (f"after {limit} retr{'y' if limit == 1 else 'ies'}" if dist.get_backend() == "gloo"
-                   else f"(no recovery on {dist.get_backend()})")
+            if hopeless:
+                why = "(no stripe arrived: the peer is dead or frozen, or the whole path is down)"
+            elif dist.get_backend() != "gloo":
+                why = f"(no repair on {dist.get_backend()})"
+            else:
+                why = f"after {limit} retr{'y' if limit == 1 else 'ies'}"
             raise type(e)(f"ATLAS WAN: {failing.what} failed {why}: stripe {i} of {len(failing.views)} on "
                           f"{pair.connection(i)} (group {pair.name}, peer rank {peer}): {e}") from e
         theirs = _exchange(pair, me, peer, {"sent": pair.done.get(me, 0), "received": pair.done.get(peer, 0)})
@@ -81,7 +89,7 @@ def recover(wan, pair, failing, failed: dict[int, Exception]) -> None:
             return
 
 
-def _report(wan, pair, failing, failed: dict[int, Exception], limit: int) -> None:
+def _report(wan, pair, failing, failed: dict[int, Exception], limit: int, hopeless: bool) -> None:
     k = len(failing.views)
     stalled = all(isinstance(e, comm.CommTimeout) for e in failed.values())
     for i, e in sorted(failed.items()):
@@ -90,7 +98,7 @@ def _report(wan, pair, failing, failed: dict[int, Exception], limit: int) -> Non
                            "attempt": failing.attempts, "error": str(e), "time": time.monotonic()})
     stripes = ", ".join(f"{i} ({pair.connection(i)})" for i in sorted(failed))
     action = (f"re-opening the pair's connections and sending again (retry {failing.attempts} of {limit})"
-              if failing.attempts <= limit else "giving up")
+              if failing.attempts <= limit and not hopeless else "giving up")
     how = "stalled" if stalled else "broke"
     warnings.warn(f"ATLAS WAN: {failing.what}: stripe(s) {stripes} of {k} {how} (group {pair.name}): "
                   f"{next(iter(failed.values()))}; {action}", RuntimeWarning, stacklevel=3)

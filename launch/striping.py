@@ -28,6 +28,7 @@ to be aborted, not reused): on NCCL a broken link is an error naming the stripe 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -53,6 +54,16 @@ def _gloo_devices(value: str):
             del os.environ["GLOO_SOCKET_IFNAME"]
         else:
             os.environ["GLOO_SOCKET_IFNAME"] = saved
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _waiters() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="atlas-stripe")
+    return _pool
 
 
 def retries() -> int:
@@ -186,15 +197,19 @@ class Transfer:
                 self.handles.append(_Failed(e))
 
     def wait_stripes(self) -> dict[int, Exception]:
-        """Wait on every stripe (each within the timeout); the ones that failed, by index."""
-        failed = {}
-        for i, h in enumerate(self.handles):
+        """Wait on every stripe, all at once (one thread each: a gloo wait releases the GIL), so that k
+        stuck stripes cost one timeout, not k; the ones that failed, by index."""
+        handles, self.handles = self.handles, []
+
+        def wait(h) -> Exception | None:
             try:
                 h.wait()
             except comm.CommError as e:
-                failed[i] = e
-        self.handles = []
-        return failed
+                return e
+            return None
+
+        outcomes = [wait(handles[0])] if len(handles) == 1 else list(_waiters().map(wait, handles))
+        return {i: e for i, e in enumerate(outcomes) if e is not None}
 
     def finish(self) -> None:
         self.done = True

@@ -10,7 +10,9 @@ whole path down, or a transfer small enough to go whole on one connection) is an
 naming the transfer, the stripe, its connection and the peer:
 
 1. report: a ``RuntimeWarning`` and an entry in ``WanGroups.events`` naming the transfer (pipeline
-   coordinates), the stripe, its TCP connection (local and remote address and port) and the peer;
+   coordinates), the stripe, its TCP connection (local and remote address and port) and the peer.
+   gloo (torch 2.13) reports a connection reset only for an operation that has not started moving
+   data; a reset or a stall in the middle of a stripe shows as no progress within the timeout;
 2. agree: both ranks write, under a key of the broken group in the job's store (the c10d store, a
    connection of its own), how many transfers each way they completed, and read the other's (within
    the timeout: a peer that does not come is dead, frozen, or saw nothing fail, and this rank raises);
@@ -94,12 +96,13 @@ def _report(wan, pair, failing, failed: dict[int, Exception], limit: int, hopele
     stalled = all(isinstance(e, comm.CommTimeout) for e in failed.values())
     for i, e in sorted(failed.items()):
         wan.events.append({"transfer": failing.what, "pair": pair.name, "stripe": i, "stripes": k,
-                           "connection": pair.connection(i), "kind": "stalled" if stalled else "broken",
+                           "connection": pair.connection(i),
+                           "kind": "timeout" if isinstance(e, comm.CommTimeout) else "error",
                            "attempt": failing.attempts, "error": str(e), "time": time.monotonic()})
     stripes = ", ".join(f"{i} ({pair.connection(i)})" for i in sorted(failed))
     action = (f"re-opening the pair's connections and sending again (retry {failing.attempts} of {limit})"
               if failing.attempts <= limit and not hopeless else "giving up")
-    how = "stalled" if stalled else "broke"
+    how = "made no progress within COMMWEAVE_TIMEOUT_S (stalled or reset)" if stalled else "broke"
     warnings.warn(f"ATLAS WAN: {failing.what}: stripe(s) {stripes} of {k} {how} (group {pair.name}): "
                   f"{next(iter(failed.values()))}; {action}", RuntimeWarning, stacklevel=3)
 

@@ -219,24 +219,27 @@ def established_connections(remote: set[str] | None = None, net_dir: str = "/pro
 
 def socket_inodes(fd_dir: str = "/proc/self/fd") -> set[int]:
     """Inodes of the sockets this process holds."""
-    out = set()
+    return set(_socket_fds(fd_dir))
+
+
+def _socket_fds(fd_dir: str = "/proc/self/fd") -> dict[int, int]:
+    out = {}
     for fd in os.listdir(fd_dir):
         try:
             target = os.readlink(os.path.join(fd_dir, fd))
         except OSError:
             continue
         if target.startswith("socket:["):
-            out.add(int(target[8:-1]))
+            out[int(target[8:-1])] = int(fd)
     return out
 
 
-def new_connections(before: set[int], net_dir: str = "/proc/self/net") -> list[str]:
-    """The ESTABLISHED TCP connections this process opened since ``before`` (:func:`socket_inodes`),
-    in the order they were created, as ``"local:port->remote:port"``. gloo connects a group's devices
-    one after the other, so for a two-rank group entry i is the connection of device i: how a broken
-    stripe is reported, and how tests find the connection to cut."""
-    fresh = socket_inodes() - before
-    found = []
+def group_sockets(before: set[int], net_dir: str = "/proc/self/net") -> tuple[list[int], list[tuple]]:
+    """The TCP sockets this process opened since ``before`` (:func:`socket_inodes`): the listening
+    ports in the order they were opened (gloo opens one per device, one device after the other), and
+    the ESTABLISHED connections as ``(local, remote, local port, remote port)``."""
+    fds = {ino: fd for ino, fd in _socket_fds().items() if ino not in before}
+    listeners, connections = [], []
     for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         try:
             lines = Path(net_dir, table).read_text().splitlines()[1:]
@@ -244,10 +247,29 @@ def new_connections(before: set[int], net_dir: str = "/proc/self/net") -> list[s
             continue
         for line in lines:
             fields = line.split()
-            if fields[3] == "01" and int(fields[9]) in fresh:     # 01: ESTABLISHED
-                text = f"{_endpoint(fields[1], family)}->{_endpoint(fields[2], family)}"
-                found.append((int(fields[9]), text))
-    return [text for _, text in sorted(found)]
+            inode = int(fields[9])
+            if inode not in fds:
+                continue
+            local, remote = _endpoint(fields[1], family), _endpoint(fields[2], family)
+            port = int(fields[1].split(":")[1], 16)
+            if fields[3] == "0A":                                  # LISTEN
+                listeners.append((fds[inode], port))
+            elif fields[3] == "01":                                # ESTABLISHED
+                connections.append((local, remote, port, int(fields[2].split(":")[1], 16)))
+    return [port for _, port in sorted(listeners)], connections
+
+
+def device_connections(mine: list[int], peers: list[int], connections: list[tuple]) -> list[str]:
+    """Each gloo device's connection of a two-rank group, ``"local:port->remote:port"``, in device order:
+    a connection this rank accepted arrived on its listener of that device, one it opened goes to the
+    peer's listener of that device (``mine``/``peers``: the listening ports in device order)."""
+    found = {}
+    for local, remote, local_port, remote_port in connections:
+        device = (mine.index(local_port) if local_port in mine else
+                  peers.index(remote_port) if remote_port in peers else None)
+        if device is not None:
+            found[device] = f"{local}->{remote}"
+    return [found.get(i, "?") for i in range(len(mine))]
 
 
 def _endpoint(hex_addr: str, family: int) -> str:

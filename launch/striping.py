@@ -27,17 +27,20 @@ to be aborted, not reused): on NCCL a broken link is an error naming the stripe 
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from commweave import comm
 from launch.plan import Plan
-from launch.sockets import gloo_ifname, new_connections, socket_inodes
+from launch.sockets import device_connections, gloo_ifname, group_sockets, socket_inodes
 
 STRIPE_MIN_BYTES = 1 << 20   # below this a transfer goes whole: striping would only add latency
 RETRIES_ENV, DEFAULT_RETRIES = "ATLAS_WAN_RETRIES", 2
@@ -54,6 +57,27 @@ def _gloo_devices(value: str):
             del os.environ["GLOO_SOCKET_IFNAME"]
         else:
             os.environ["GLOO_SOCKET_IFNAME"] = saved
+
+
+@contextmanager
+def _unique_name(pair: Pair | None, generation: int, local: bool):
+    """torch names a group made by its members only (``use_local_synchronization``) after its ranks
+    alone, so a pair's second re-opened group would collide with its first (and reusing a name would
+    reuse its store keys): such a group is named after the pair's original group and the generation,
+    the same on both ranks."""
+    if not local:
+        yield
+        return
+    c10d = dist.distributed_c10d
+    original = c10d._process_group_name
+    if list(inspect.signature(original).parameters) != ["ranks", "use_hashed_name"]:
+        raise RuntimeError("torch.distributed's _process_group_name changed; cannot re-open a WAN pair")
+    name = c10d.GroupName(f"{pair.original}-atlas-reopen-{generation}")
+    c10d._process_group_name = lambda ranks, use_hashed_name: name
+    try:
+        yield
+    finally:
+        c10d._process_group_name = original
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -88,6 +112,7 @@ class Pair:
     inflight: list[Transfer] = field(default_factory=list)
     last_sent: list | None = None     # this rank's last completed send (its stripes), for a resend
     last_index: int = -1
+    original: str = ""                # torch's name of the pair's first group (unique in the job)
 
     def connection(self, stripe: int) -> str:
         return self.connections[stripe % len(self.connections)] if self.connections else "?"
@@ -144,15 +169,29 @@ class WanGroups:
             if member:
                 comm.set_group_name(group, name)
         else:
-            with _gloo_devices(self.devices):
+            with _gloo_devices(self.devices), _unique_name(pair, generation, local):
                 group = comm.new_group([lo, hi], name=name, local_sync=local)
         if member:
-            found = new_connections(before) if before is not None else []
+            found = self._connections(group, before, lo if dist.get_rank() == hi else hi) \
+                if before is not None else []
             if pair is None:
-                self.pairs[frozenset(ranks)] = Pair(ranks, group, name, found)
+                self.pairs[frozenset(ranks)] = Pair(ranks, group, name, found,
+                                                    original=dist.distributed_c10d._get_process_group_name(group))
             else:
                 pair.group, pair.name, pair.connections, pair.generation = group, name, found, generation
         return group
+
+
+    @staticmethod
+    def _connections(group, before: set[int], peer: int) -> list[str]:
+        """The TCP connection of each device of a new two-rank gloo group (for reports, and for tests
+        that break one): the two ranks swap their listening ports in device order through the store."""
+        mine, conns = group_sockets(before)
+        store = dist.distributed_c10d._get_default_store()
+        key = f"atlas-wan-listeners/{dist.distributed_c10d._get_process_group_name(group)}"
+        store.set(f"{key}/{dist.get_rank()}", json.dumps(mine))
+        store.wait([f"{key}/{peer}"], timedelta(seconds=comm.timeout_s()))
+        return device_connections(mine, json.loads(store.get(f"{key}/{peer}")), conns)
 
 
 class _Failed:

@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 from deepspeed.moe.sharded_moe import (
     TopKGate,
-    _capacity,
     multiplicative_jitter,
     top1gating,
     top2gating,
@@ -137,14 +136,6 @@ def fill(r: Routes, num_experts: int) -> torch.Tensor:
     live = r.indices >= 0
     out = torch.zeros(num_experts, dtype=torch.int32, device=r.indices.device)
     return out.scatter_reduce_(0, r.indices[live].long(), r.locations[live] + 1, reduce="amax")
-
-
-def drop_capacity(gate: TopKGate, num_tokens: int) -> int:
-    """The capacity DeepSpeed's gate gives ``num_tokens`` tokens in drop mode (``_capacity`` itself)."""
-    k_factor = 1 if gate.k == 1 else gate.k
-    shape = torch.empty((num_tokens, gate.wg.weight.shape[0]), device="meta")
-    factor = torch.tensor(_capacity_factor(gate) * k_factor)
-    return int(_capacity(shape, factor, torch.tensor(gate.min_capacity)))
 
 
 def check_consistent(r: Routes, mp_group) -> None:

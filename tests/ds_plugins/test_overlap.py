@@ -119,8 +119,8 @@ class _Waited:
     def __init__(self, work, on_wait) -> None:
         self._work, self._on_wait = work, on_wait
 
-    def wait(self, timeout=None):
-        result = self._work.wait()
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
         self._on_wait()
         return result
 

@@ -119,5 +119,5 @@ def _exchange(pair, me: int, peer: int, what: str, mine: dict) -> dict:
         return json.loads(store.get(f"{tag}/{peer}"))
     except (RuntimeError, dist.DistStoreError) as e:
         raise comm.CommTimeout(f"ATLAS WAN: {what}: peer rank {peer} did not join the repair of the "
-                               f"broken connection of {pair.name} within COMMWEAVE_TIMEOUT_S={seconds:g} s: it is dead, "
-                               f"frozen, or saw its side of the transfer complete ({e})") from e
+                               f"broken connection of {pair.name} within COMMWEAVE_TIMEOUT_S={seconds:g} s: "
+                               f"it is dead, frozen, or saw its side of the transfer complete ({e})") from e

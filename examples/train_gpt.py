@@ -74,6 +74,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--sample-bytes", type=int, default=120)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", type=Path, default=ROOT / "runs", help="where runs/<timestamp>/ goes")
+    p.add_argument("--atlas", action="store_true",
+                   help="add the MoE model as a 2-stage pipeline across two emulated data centers, through "
+                        "deepspeed-atlas, without and with ATLAS (root: network namespaces)")
+    p.add_argument("--atlas-steps", type=int, default=10, help="training steps of each pipeline run")
     p = deepspeed.add_config_arguments(p)
     args = p.parse_args(argv)
     if args.quick:
@@ -84,7 +88,7 @@ def parse(argv=None) -> argparse.Namespace:
     if args.deepspeed_config is None:
         gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") == "cuda"
         args.deepspeed_config = str(ROOT / "configs" / ("gpt_gpu.json" if gpu else "gpt_cpu.json"))
-    for name in ("steps", "eval_every", "eval_batches", "batch", "layers"):
+    for name in ("steps", "eval_every", "eval_batches", "batch", "layers", "atlas_steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if not 0 <= args.warmup_steps < args.steps:
@@ -137,8 +141,15 @@ def main(argv=None) -> None:
         with tqdm(total=args.steps, desc=f"{name:>10}", disable=not rank0, file=sys.stderr) as bar:
             results.append((job.train(name, config, team_size, bar), what))
     tolerance = Tolerance.for_config(config_on)
+    pipeline = None
+    if args.atlas and rank0:      # the other ranks wait at the barrier below
+        from examples.gpt.atlas import pipeline_rows
+
+        print("pipeline across two emulated data centers (deepspeed-atlas): stock, then ATLAS", flush=True)
+        pipeline = pipeline_rows(args.deepspeed_config, job_args=(
+            "--steps", str(args.atlas_steps), "--warmup-steps", str(min(2, args.atlas_steps - 1))))
     if rank0:
-        text = report.table(results, tolerance)
+        text = report.table(results, tolerance, pipeline)
         schedules = ", ".join(f"{r.name}: {r.schedules}" for r, _ in results)
         text += f"\nMoE layers ran: {schedules}"
         print("\n" + text, flush=True)
@@ -148,7 +159,7 @@ def main(argv=None) -> None:
                   "wallfacer_team_size": 1}, "args": {k: str(v) if isinstance(v, Path) else v
                                                      for k, v in vars(args).items()},
                   "world_size": world, "tolerance": tolerance.describe_rule()}
-        run_dir = report.write(args.out, results, record, text)
+        run_dir = report.write(args.out, results, record, text, pipeline)
         print(f"wrote {run_dir}/ (table.md, chart.png, config.json, results.json, sample.txt)", flush=True)
     agree = tolerance.agree(results[0][0], results[-1][0])
     dist.barrier()

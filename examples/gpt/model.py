@@ -150,9 +150,10 @@ def init_tensor(t: torch.Tensor, seed: int, kind: str, fan_in: int) -> None:
 
 
 def _kind(name: str) -> str:
-    if name.startswith(("tokens.", "positions.")):
+    owner = name.split(".")[-2]          # "tokens" in "tokens.weight" and in a pipeline's "0.tokens.weight"
+    if owner in ("tokens", "positions"):
         return "embedding"
-    if name.split(".")[-2].startswith("ln"):
+    if owner.startswith("ln"):
         return "norm_weight" if name.endswith("weight") else "norm_bias"
     return "weight" if name.endswith("weight") else "bias"
 

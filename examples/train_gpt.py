@@ -63,7 +63,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--capacity-factor", type=float, default=2.0, help="must be >= experts / k (no drops)")
     p.add_argument("--aux-loss-coef", type=float, default=0.01)
     p.add_argument("--seq", type=int, default=256, help="bytes per sequence, split over all ranks")
-    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--batch", type=int, default=8,
+                   help="sequences per step (replaces the config's train_micro_batch_size_per_gpu)")
     p.add_argument("--tp", type=int, default=2, help="MoE tensor-parallel (MP = ESP) size: ranks per team")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: world / tp)")
     p.add_argument("--wallfacer-team-size", type=int, default=2,
@@ -79,12 +80,10 @@ def parse(argv=None) -> argparse.Namespace:
                         "deepspeed-atlas, without and with ATLAS (root: network namespaces)")
     p.add_argument("--atlas-steps", type=int, default=10, help="training steps of each pipeline run")
     p = deepspeed.add_config_arguments(p)
+    argv = sys.argv[1:] if argv is None else argv
+    if "--quick" in argv:
+        p.set_defaults(**QUICK)       # what the command line states still wins
     args = p.parse_args(argv)
-    if args.quick:
-        explicit = {a.dest for a in p._actions if any(s in (argv or sys.argv) for s in a.option_strings)}
-        for key, value in QUICK.items():
-            if key not in explicit:
-                setattr(args, key, value)
     if args.deepspeed_config is None:
         gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") == "cuda"
         args.deepspeed_config = str(ROOT / "configs" / ("gpt_gpu.json" if gpu else "gpt_cpu.json"))

@@ -119,10 +119,9 @@ def pipeline_rows(deepspeed_config: str, connections: int = 8, wan: Wan = Wan(),
                  f"ATLAS: {connections} TCP connections, temporal sharing ({wan.describe()})")):
             ranks = _run(link, topo, Path(tmp, name), conns, sharing, stock, args)
             rows.append((_result(name, ranks), what))
-        drops = link.drops()
-    lost = {k: v for k, v in drops.items() if v and not k.startswith("tcp_retrans")}
-    if lost:
-        rows[-1][0].sample = f"packets dropped on the emulated WAN: {lost}".encode()
+        lost = {k: v for k, v in link.drops().items() if v and not k.startswith("tcp_retrans")}
+    if lost:     # the emulator itself lost packets: the WAN was not what it claims to be
+        rows = [(res, f"{what}; WAN emulator drops {lost}") for res, what in rows]
     return rows
 
 

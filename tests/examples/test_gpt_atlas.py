@@ -12,6 +12,7 @@ from examples.gpt import atlas, report
 from examples.gpt.agreement import Tolerance
 from examples.gpt.train import Result
 from launch import netns
+from tests.launch.conftest import namespaces  # noqa: F401  (the fixture: skips without root)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +33,8 @@ def test_without_root_the_job_says_why(monkeypatch):
 
 @pytest.mark.netns
 @pytest.mark.slow
-def test_pipeline_rows_across_two_emulated_data_centers(namespaces):
+@pytest.mark.usefixtures("namespaces")
+def test_pipeline_rows_across_two_emulated_data_centers():
     rows = atlas.pipeline_rows(str(ROOT / "configs" / "gpt_cpu.json"), connections=4,
                                job_args=("--steps", "3", "--warmup-steps", "1", "--micro-batches", "2"))
     assert isinstance(rows, list), rows

@@ -65,21 +65,13 @@ def counted(book: ledger.Ledger):
 
 @contextlib.contextmanager
 def no_grad_eval(engine):
-    """``engine.eval()`` under ``torch.no_grad()``. Workaround: Parm's "auto" fits its cost model on its first
-    call by timing a forward+backward, which raises under no_grad (ds_plugins/selector.py); a layer that
-    has not chosen yet runs "s1" for this pass (every schedule computes the same function)."""
-    pinned = [m for m in engine.module.modules()
-              if getattr(m, "schedule", None) == "auto" and getattr(m, "last_schedule", "") is None]
-    for m in pinned:
-        m.schedule = "s1"
+    """``engine.eval()`` under ``torch.no_grad()``, back to training mode afterwards."""
     engine.eval()
     try:
         with torch.no_grad():
             yield
     finally:
         engine.train()
-        for m in pinned:
-            m.schedule, m.last_schedule = "auto", None
 
 
 def _world_mean(values: list[float], device) -> list[float]:

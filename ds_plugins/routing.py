@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from deepspeed.moe.sharded_moe import (
+    TOPK_GATE_TIMER,
     TopKGate,
     _capacity,
     multiplicative_jitter,
@@ -37,7 +38,7 @@ from deepspeed.moe.sharded_moe import (
 )
 
 from commweave import comm
-from ds_plugins import collectives
+from ds_plugins import collectives, moe_timers
 
 
 @dataclass
@@ -61,7 +62,14 @@ def _capacity_factor(gate: TopKGate) -> float:
 
 def route(gate: TopKGate, x: torch.Tensor, used_token: torch.Tensor | None = None,
           weight: torch.Tensor | None = None) -> Routes:
-    """Gate ``x`` [S, M]; ``weight`` replaces ``gate.wg.weight`` (S1 passes it through an MP copy)."""
+    """Gate ``x`` [S, M]; ``weight`` replaces ``gate.wg.weight`` (S1 passes it through an MP copy). Timed by
+    the gate's 'topk_gate' timer when the engine's ``wall_clock_breakdown`` is on (ds_plugins.moe_timers)."""
+    with moe_timers.timed(gate, TOPK_GATE_TIMER):
+        return _route(gate, x, used_token, weight)
+
+
+def _route(gate: TopKGate, x: torch.Tensor, used_token: torch.Tensor | None,
+           weight: torch.Tensor | None) -> Routes:
     x32 = x.float()
     if gate.noisy_gate_policy == "Jitter" and gate.training:
         x32 = multiplicative_jitter(x32, device=x.device)

@@ -62,15 +62,15 @@ class Net(nn.Module):
         return F.mse_loss(self.out(h), y) + 0.01 * aux
 
 
-def use_layouts(tp: int, eps) -> object:
-    """DeepSpeed's groups for every ep size of the model, and no others (DeepSpeed names its optimizer
-    files after the largest registered ep size): returns the mpu."""
-    names = {f"ep_size_{ep}" for ep in eps}
+def use_layouts(tp: int, layers) -> object:
+    """DeepSpeed's groups for every (ep size, sharded) of the model's layers, and no others (DeepSpeed names
+    its optimizer files after the largest registered ep size): returns the mpu."""
+    names = {f"ep_size_{ep}" for ep, _ in layers}
     for d in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
               "_EXPERT_DATA_PARALLEL_GROUP_RANKS"):
         for name in set(getattr(groups, d)) - names:
             getattr(groups, d).pop(name)
-    return [use_layout(tp, ep, shard=True) for ep in sorted(set(eps))][-1].mpu
+    return [use_layout(tp, ep, shard) for ep, shard in sorted(set(layers))][-1].mpu
 
 
 def config(stage: int, parm: dict | None = None, **extra) -> dict:
@@ -98,7 +98,7 @@ def build(layers: tuple[LayerSpec, ...], parm: dict | None, stage: int = 0, tp: 
           optimizer=None, **extra):
     """(engine, mpu): plain DeepSpeed when ``parm`` is None, else Parm with that section; ``optimizer``: a
     client optimizer callable instead of the config's Adam."""
-    mpu = use_layouts(tp, [spec.ep for spec in layers])
+    mpu = use_layouts(tp, [(spec.ep, spec.shard) for spec in layers])
     torch.manual_seed(seed)
     net = Net(layers)
     init = deepspeed.initialize if parm is None else ds_plugins.initialize

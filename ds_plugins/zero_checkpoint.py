@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint.constants import (
     BASE_OPTIMIZER_STATE,
     GROUP_PADDINGS,
@@ -151,7 +152,9 @@ def _groups(opt) -> list[_Group]:
 
 
 def _whole(partition: torch.Tensor, g: _Group) -> torch.Tensor:
-    """The group's whole flat vector from every dp rank's padded partition."""
+    """The group's whole flat vector from every dp rank's padded partition, on the accelerator (ZeRO-Offload
+    keeps the partitions in host memory, which NCCL cannot gather)."""
+    partition = partition.to(get_accelerator().current_device_name())
     if g.parm.dp == 1:
         return partition
     out = partition.new_empty(partition.numel() * g.parm.dp)
@@ -165,15 +168,17 @@ def _to_deepspeed(partition: torch.Tensor, g: _Group) -> torch.Tensor:
     peers = whole.new_empty((tag.size, whole.numel()))
     comm.all_gather(peers, whole, tag.group)
     blocks = [g.parm.params(peers[q]) for q in range(tag.size)]
-    mine = g.parm.params(whole)
-    params = [mine[k] if t is None else torch.cat([b[k] for b in blocks], dim=t.dim)
+    own = g.parm.params(whole)
+    params = [own[k] if t is None else torch.cat([b[k] for b in blocks], dim=t.dim)
               for k, t in enumerate(g.tags)]
-    return g.deepspeed.flatten(params).narrow(0, g.dp_rank * g.deepspeed.partition, g.deepspeed.partition)
+    flat = g.deepspeed.flatten(params)
+    return flat.narrow(0, g.dp_rank * g.deepspeed.partition, g.deepspeed.partition).to(partition.device)
 
 
 def _to_parm(partition: torch.Tensor, g: _Group) -> torch.Tensor:
     params = g.deepspeed.params(_whole(partition, g))
-    return g.parm.flatten([p if t is None else t.block(p) for p, t in zip(params, g.tags, strict=True)])
+    parm = g.parm.flatten([p if t is None else t.block(p) for p, t in zip(params, g.tags, strict=True)])
+    return parm.to(partition.device)
 
 
 def _padded(t: torch.Tensor, padding: int) -> torch.Tensor:

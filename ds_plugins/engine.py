@@ -8,7 +8,9 @@ reads the ``"parm"`` section of the DeepSpeed config (from ``config``, ``config_
 model is replaced by a ``ParmMoE`` holding the same modules and parameters (``setattr`` on its parent),
 after checking every layer on every rank: experts divisible by ep, tp x ep dividing the world, experts
 shardable when ESP > 1. Then ``deepspeed.initialize`` runs unchanged; it keeps the ``"parm"`` section
-verbatim (parm.md §5.7) and sets up the ParmMoE layers through ``set_deepspeed_parallelism``.
+verbatim (parm.md §5.7) and sets up the ParmMoE layers through ``set_deepspeed_parallelism``; last, the
+engine's optimizer is made to save and load the states of ESP-sharded experts in DeepSpeed's layout
+(ds_plugins.checkpoint).
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 from torch import nn
 
 from commweave import comm
-from ds_plugins import experts
+from ds_plugins import checkpoint, experts
 from ds_plugins.config import ParmConfig
 from ds_plugins.groups import check_layout
-from ds_plugins.moe import ParmMoE
+from ds_plugins.moe import ParmMoE, check_tutel
 
 
 def _config_source(args, config, config_params):
@@ -42,6 +44,7 @@ def _config_source(args, config, config_params):
 def check_moe(moe: MoE, world_size: int, tp: int) -> None:
     """Everything ParmMoE would reject later, checked on this rank alone (no collective)."""
     check_layout(world_size, tp, moe.ep_size, moe.num_experts)
+    check_tutel(moe.deepspeed_moe.use_tutel)  # True only with Tutel installed (DeepSpeed drops it otherwise)
     esp = tp if moe.enable_expert_tensor_parallelism else 1
     for expert in moe.deepspeed_moe.experts.deepspeed_experts:
         experts.check_shardable(expert, esp)
@@ -73,8 +76,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         # a PipelineModule brings its own mpu (its grid), which DeepSpeed's pipeline engine uses
         grid = model.mpu() if mpu is None and isinstance(model, PipelineModule) else mpu
         model = swap_moe_layers(model, parm, world, bwc_tensor_model_parallel_world_size(grid))
-    return deepspeed.initialize(args=args, model=model, optimizer=optimizer,
-                                model_parameters=model_parameters, training_data=training_data,
-                                lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
-                                dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
-                                mesh_param=mesh_param, config_params=config_params)
+    out = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
+                               model_parameters=model_parameters, training_data=training_data,
+                               lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
+                               dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                               mesh_param=mesh_param, config_params=config_params)
+    if parm.enabled:
+        checkpoint.install(out[0])  # optimizer states of sharded experts saved in DeepSpeed's layout too
+    return out

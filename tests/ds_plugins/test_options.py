@@ -21,20 +21,19 @@ from tests.ds_plugins import training
 from tests.ds_plugins.deepspeed_oracle import mlp
 from tests.ds_plugins.training import LayerSpec
 
-ALL = ("s1", "s2", "deepspeed")
-ROUTING_ALIKE = ("s2", "deepspeed")
-"""The schedules that gate the full token set on every MP rank, drawing the gate's random numbers as
-DeepSpeed does. S1 gates 1/N of the tokens: its noise and binding-capacity drops differ (issue 9 item 2)."""
+ALL = ("s1", "s2", "deepspeed", "auto")
+"""Every schedule routes as DeepSpeed's gate does on the full batch (S1 too: it gathers the logits over MP),
+so noise and binding capacities give DeepSpeed's losses with each of them."""
 
 # S = 16 tokens, E = 8: capacity ceil(2·k·f); DeepSpeed's tensor-parallel MoE needs it even (it splits the
-# capacity over tp = 2). With all three schedules the capacity must not bind (S1's shards see 8 tokens).
+# capacity over tp = 2).
 CASES = {
     "swiglu": ((LayerSpec(expert="swiglu"),), ALL),
-    "swiglu-k1-binding": ((LayerSpec(expert="swiglu", k=1, capacity_factor=1.0),), ROUTING_ALIKE),
+    "swiglu-k1-binding": ((LayerSpec(expert="swiglu", k=1, capacity_factor=1.0),), ALL),
     "top3": ((LayerSpec(k=3),), ALL),
-    "top3-binding": ((LayerSpec(k=3, capacity_factor=1.0),), ROUTING_ALIKE),
-    "jitter": ((LayerSpec(noisy_gate_policy="Jitter", capacity_factor=1.0),), ROUTING_ALIKE),
-    "rsample-k1": ((LayerSpec(k=1, noisy_gate_policy="RSample", capacity_factor=2.0),), ROUTING_ALIKE),
+    "top3-binding": ((LayerSpec(k=3, capacity_factor=1.0),), ALL),
+    "jitter": ((LayerSpec(noisy_gate_policy="Jitter", capacity_factor=1.0),), ALL),
+    "rsample-k1": ((LayerSpec(k=1, noisy_gate_policy="RSample", capacity_factor=2.0),), ALL),
     "residual": ((LayerSpec(use_residual=True),), ALL),
     # without dropping, DeepSpeed pads its capacity to a multiple of tp only when the experts are not
     # tensor-parallel (sharded, an odd largest count trips its own assert): ESP = 1 here, MP = 2

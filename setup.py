@@ -67,7 +67,8 @@ setup(
                                     "megatron_patches", "megatron_patches.*", "launch", "launch.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "deepspeed>=0.19.0", "megatron-core>=0.16.1", "numpy", "tqdm"],
-    extras_require={"test": ["pytest>=8", "pytest-timeout", "ruff"]},
+    # matplotlib draws `python -m launch.plan --timeline` (imported only then); the tests draw one
+    extras_require={"test": ["pytest>=8", "pytest-timeout", "ruff", "matplotlib"], "plot": ["matplotlib"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension},
     entry_points={"console_scripts": ["deepspeed-atlas=launch.runner:main"]},

@@ -141,6 +141,12 @@ def cli(argv: list[str] | None = None) -> int:
     title = (f"ATLAS on {topo.source}: pp={plan.pp} tp={plan.tp} dp={plan.dp}, "
              f"{r.iteration:.3g} s per iteration, GPU utilisation {100 * r.utilisation:.0f}%")
     if args.timeline:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("error: --timeline needs matplotlib: pip install matplotlib (or commweave[plot])",
+                  file=sys.stderr)
+            return 2
         if args.timeline_span:
             title += f"; {args.timeline_span[0]:g}-{args.timeline_span[1]:g} s shown"
         draw(args.timeline, ops, atlas.result.iteration, title, labels(atlas), window=args.timeline_span)

@@ -136,7 +136,8 @@ def cli(argv: list[str] | None = None) -> int:
               "hosts):", file=sys.stderr)
         for line in advice:
             print(f"  {line}", file=sys.stderr)
-    ops = atlas.result.ops
+    ops = list(atlas.result.ops)   # the iteration's ops (launch.timeline.Op); prefill ops may join them
+    out = summary(topo, model, atlas, others, across)
     r = atlas.result
     title = (f"ATLAS on {topo.source}: pp={plan.pp} tp={plan.tp} dp={plan.dp}, "
              f"{r.iteration:.3g} s per iteration, GPU utilisation {100 * r.utilisation:.0f}%")
@@ -154,7 +155,7 @@ def cli(argv: list[str] | None = None) -> int:
     if args.trace:
         write_trace(args.trace, ops, labels(atlas))
         print(f"trace: {args.trace}")
-    print(json.dumps(summary(topo, model, atlas, others, across)))
+    print(json.dumps(out))
     return 0
 
 

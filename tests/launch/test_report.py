@@ -11,6 +11,7 @@ from launch.plan import main
 SHIPPED = ["configs/atlas_two_dc.json", "configs/atlas_three_dc.json", "configs/atlas_intercontinental.json"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", SHIPPED)
 def test_every_shipped_topology_is_planned_against_the_baselines(path, tmp_path, capsys):
     png, trace = tmp_path / "t.png", tmp_path / "t.json"

@@ -55,7 +55,7 @@ class WanDirection:
         self.active: list[tuple] = []         # heap of (V at which it finishes, seq, flow)
         self.rings: dict[object, tuple[dict[int, Flow], list[int]]] = {}   # ring -> (waiting, [token])
         self.seq = count()
-        self.carried = 0.0                    # bytes served (the WAN-bytes column)
+        self.carried = 0.0                    # bytes of the flows finished (the WAN-bytes column)
 
     def _start(self, flow: Flow, t: float) -> None:
         flow.started = t
@@ -76,25 +76,27 @@ class WanDirection:
         """Bytes/s of one active connection."""
         return min(self.stream_cap, self.bandwidth / self.weight) if self.weight else 0.0
 
+    def _finish_time(self, v_end: float) -> float:
+        return self.t + max(0.0, v_end - self.v) / self.rate()
+
     def next_event(self) -> float | None:
         """When the first active flow finishes at the current rate (None: nothing active)."""
-        if not self.active:
-            return None
-        return self.t + max(0.0, self.active[0][0] - self.v) / self.rate()
+        return self._finish_time(self.active[0][0]) if self.active else None
 
     def advance(self, t_next: float) -> list[Flow]:
-        """Move bytes up to t_next; the flows that finished then (their ring's next flow starts)."""
-        c = self.rate()
-        moved = c * (t_next - self.t)
-        self.v += moved
-        self.carried += moved * self.weight
-        self.t = t_next
-        finished = []
-        while self.active and self.active[0][0] <= self.v + _EPS * max(1.0, abs(self.v)):
-            _, _, f = heapq.heappop(self.active)
+        """Move bytes up to t_next; the flows that finished then (their ring's next flow starts).
+
+        A flow finishes when its finish time (the same expression as :meth:`next_event`) is not after
+        t_next: decided in time, not in bytes, so a remainder below the clock's resolution cannot stall."""
+        finished, v_end = [], self.v + self.rate() * (t_next - self.t)
+        while self.active and self._finish_time(self.active[0][0]) <= t_next + _EPS * max(1.0, t_next):
+            v_end = max(v_end, self.active[0][0])
+            finished.append(heapq.heappop(self.active)[2])
+        self.v, self.t = v_end, t_next
+        for f in finished:
             f.done = t_next
             self.weight -= f.streams
-            finished.append(f)
+            self.carried += f.nbytes
         for f in finished:
             for waiting, head in self.rings.values():
                 if waiting.get(head[0]) is f:

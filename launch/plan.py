@@ -178,8 +178,10 @@ def placements(topo: Topology, pp: int, tp: int, dp: int) -> list[tuple[str, ...
     (with three or more DCs the order decides which WAN links the pipeline crosses). Beyond 4 DCs only
     Algorithm 1's fill and its order. The simulator chooses among them."""
     names = topo.dc_names
-    by_size = sorted(names, key=lambda d: -usable_gpus(topo, d, tp))
-    fills = list(permutations(names)) if len(names) <= 4 else [by_size]
+    by_size = sorted(names, key=lambda d: -usable_gpus(topo, d, tp))   # Algorithm 1's order, first:
+    fills = [tuple(by_size)]                                           # it wins ties (search.py)
+    if len(names) <= 4:
+        fills += [p for p in permutations(by_size) if list(p) != by_size]
     seen, out = set(), []
     for order in fills:
         left, counts = pp, {}
@@ -190,7 +192,7 @@ def placements(topo: Topology, pp: int, tp: int, dp: int) -> list[tuple[str, ...
             left -= k
         if left:
             continue
-        used = list(counts)
+        used = list(counts)                  # in fill order, so the fill's own chain comes first
         for chain in permutations(used) if len(used) <= 4 else [used]:
             stage_dc = tuple(d for d in chain for _ in range(counts[d]))
             if stage_dc not in seen:

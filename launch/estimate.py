@@ -16,16 +16,20 @@ pipeline activations), each over ``connections`` TCP connections of window/RTT (
 stage's DP all-reduce moves layers·P/tp·n bytes per TP rank: a ring over the DC's network, or, for a
 group spanning data centers, a ring whose WAN hops carry 2(D−1)/D of it per direction. Memory per
 GPU: weights and grads in n bytes and fp32 Adam state (12 bytes) per parameter, plus 1F1B's
-in-flight activations (stage s keeps min(pp − s, M) micro-batches).
+in-flight activations (stage s keeps min(pp − s, M) micro-batches), plus NCCL's staging buffers
+(launch.sockets.nccl_buffer_memory: NCCL_BUFFSIZE on every communicator; under ATLAS's launcher
+BUFFSIZE is raised for the WAN and each WAN neighbour adds a pair group and a token ring).
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, fields
+from itertools import pairwise
 
 from commweave import cost
 from launch.simulate import Collective, Job, Route, WanFlow
+from launch.sockets import nccl_buffer_memory, nccl_buffsize, nccl_communicators
 from launch.topology import DataCenter, Topology, WanLink
 
 _MODEL_KEYS = {"layers", "hidden", "seq", "micro_batch", "global_batch", "dtype_bytes", "pp", "tp", "dp"}
@@ -107,6 +111,7 @@ class Layout:
     stage_layers: tuple[int, ...]
     connections: int = 1                # TCP connections per WAN rank pair
     sharing: str = "spatial"            # how replicas share a WAN direction
+    atlas_runtime: bool = False         # launched by ATLAS (its NCCL_BUFFSIZE, WAN groups, token rings)
 
     @property
     def pp(self) -> int:
@@ -162,22 +167,47 @@ def split_layers(layers: int, speeds: list[float], caps: list[int]) -> list[int]
 
 
 def layer_caps(topo: Topology, model: ModelSpec, stage_dc: list[str], tp: int, dp: int) -> list[int]:
-    """The most layers each stage's GPUs hold (1F1B's in-flight activations included)."""
+    """The most layers each stage's GPUs hold under ATLAS (1F1B's in-flight activations and NCCL's
+    buffers included)."""
     M = model.micro_batches(dp)
     pp = len(stage_dc)
-    return [int(topo.dc(d).gpu_memory // model.stage_memory(1, min(pp - s, M), tp))
-            for s, d in enumerate(stage_dc)]
+    return [int((topo.dc(d).gpu_memory - nccl_memory(topo, stage_dc, s, tp, dp, True))
+                // model.stage_memory(1, min(pp - s, M), tp)) for s, d in enumerate(stage_dc)]
 
 
-def memory(model: ModelSpec, lay: Layout) -> float:
+def nccl_memory(topo: Topology, column: tuple[str, ...] | list[str], s: int, tp: int, dp: int,
+                atlas_runtime: bool) -> float:
+    """NCCL's staging buffers on a GPU of stage s, whose pipeline replica runs in the DCs ``column``
+    (stage -> DC): every communicator it uses holds NCCL_BUFFSIZE per channel, direction and peer.
+    ATLAS's launcher raises BUFFSIZE for the WAN links the pipeline crosses and adds, per WAN
+    neighbour, its pair group and token ring; a stock launch keeps NCCL's default and its groups."""
+    pp = len(column)
+    if not atlas_runtime:
+        return nccl_buffer_memory(nccl_buffsize([]), nccl_communicators(pp, tp, dp, s, 0))
+    crossed = [topo.link(a, b) for a, b in pairwise(column) if a != b]
+    neighbours = sum(0 <= n < pp and column[n] != column[s] for n in (s - 1, s + 1))
+    return nccl_buffer_memory(nccl_buffsize(crossed), nccl_communicators(pp, tp, dp, s, neighbours))
+
+
+def _row_memory(topo: Topology, model: ModelSpec, lay: Layout) -> list[tuple[float, str]]:
+    """(peak bytes, DC) of every (stage, replica) row."""
     M = model.micro_batches(lay.dp)
-    return max(model.stage_memory(n, min(lay.pp - s, M), lay.tp) for s, n in enumerate(lay.stage_layers))
+    out = []
+    for d in range(lay.dp):
+        column = [lay.dc[s][d] for s in range(lay.pp)]
+        for s, n in enumerate(lay.stage_layers):
+            out.append((model.stage_memory(n, min(lay.pp - s, M), lay.tp)
+                        + nccl_memory(topo, column, s, lay.tp, lay.dp, lay.atlas_runtime), column[s]))
+    return out
+
+
+def memory(topo: Topology, model: ModelSpec, lay: Layout) -> float:
+    """Peak bytes on the most loaded GPU."""
+    return max(m for m, _ in _row_memory(topo, model, lay))
 
 
 def fits(topo: Topology, model: ModelSpec, lay: Layout) -> bool:
-    M = model.micro_batches(lay.dp)
-    return all(model.stage_memory(n, min(lay.pp - s, M), lay.tp) <= topo.dc(d).gpu_memory
-               for s, n in enumerate(lay.stage_layers) for d in set(lay.dc[s]))
+    return all(m <= topo.dc(d).gpu_memory for m, d in _row_memory(topo, model, lay))
 
 
 def link_window(w: WanLink, window: float) -> float:

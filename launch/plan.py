@@ -234,7 +234,8 @@ def atlas_layouts(topo: Topology, model: ModelSpec, window: float, connections: 
                     if layers is None:
                         continue
                     conns = connections or fill_connections(topo, stage_dc, tp, window)
-                    yield Layout(tp, tuple((d,) * dp for d in stage_dc), tuple(layers), conns, "spatial")
+                    yield Layout(tp, tuple((d,) * dp for d in stage_dc), tuple(layers), conns, "spatial",
+                                 atlas_runtime=True)
 
 
 def choose(topo: Topology, model: ModelSpec, connections: int | None = None, sharing: str | None = None,
@@ -266,6 +267,12 @@ def make_plan(topo: Topology, model: ModelSpec, connections: int | None = None, 
     launch.sockets.DEFAULT_WINDOW) — never this machine's sysctls, which only produce warnings."""
     window = DEFAULT_WINDOW if window is None else window
     return plan_of(topo, model, choose(topo, model, connections, sharing, window), window)
+
+
+def layout_of(plan: Plan) -> Layout:
+    """A plan's layout, as the simulator takes it (launch.estimate.build)."""
+    return Layout(plan.tp, tuple((d,) * plan.dp for d in plan.stage_dc), plan.stage_layers, plan.connections,
+                  plan.sharing, atlas_runtime=True)
 
 
 def plan_of(topo: Topology, model: ModelSpec, found: Choice, window: float) -> Plan:

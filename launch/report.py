@@ -10,7 +10,9 @@ about this machine's TCP settings (they never change the plan), and ends with on
 
 A baseline with no layout that fits (or that cannot span the DCs it must span) shows as null.
 ``--timeline FILE.png`` draws ATLAS's iteration, one row per pipeline-stage replica
-(launch.timeline); ``--trace FILE.json`` writes the same ops as a Chrome trace.
+(launch.timeline); ``--trace FILE.json`` writes the same ops as a Chrome trace. ``--bubbletea`` adds
+the utilisation with BubbleTea's prefill packed into the bubbles (launch.bubbletea.simulate) to the
+output and ``"utilisation_bubbletea"`` to the JSON line, and draws the prefill into the timeline.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from launch.estimate import ModelSpec
 from launch.plan import atlas_layouts, choose, load_model, plan_of, render
 from launch.search import Choice, best
 from launch.sockets import DEFAULT_WINDOW, tcp_advice
-from launch.timeline import draw, write_trace
+from launch.timeline import Op, draw, write_trace
 from launch.topology import Topology
 
 
@@ -105,6 +107,8 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeline-span", metavar="START:END", type=_span, default=None,
                     help="draw only this part of the iteration, in seconds (default: all of it)")
     ap.add_argument("--trace", metavar="FILE.json", help="write ATLAS's iteration as a Chrome trace")
+    ap.add_argument("--bubbletea", action="store_true",
+                    help="add the GPU utilisation with BubbleTea's prefill in the bubbles (launch.bubbletea)")
     ap.add_argument("--json", action="store_true",
                     help="print only the plan as JSON (what the launcher exports)")
     args = ap.parse_args(argv)
@@ -136,11 +140,20 @@ def cli(argv: list[str] | None = None) -> int:
               "hosts):", file=sys.stderr)
         for line in advice:
             print(f"  {line}", file=sys.stderr)
-    ops = list(atlas.result.ops)   # the iteration's ops (launch.timeline.Op); prefill ops may join them
-    out = summary(topo, model, atlas, others, across)
     r = atlas.result
     title = (f"ATLAS on {topo.source}: pp={plan.pp} tp={plan.tp} dp={plan.dp}, "
              f"{r.iteration:.3g} s per iteration, GPU utilisation {100 * r.utilisation:.0f}%")
+    ops = list(atlas.result.ops)   # the iteration's ops (launch.timeline.Op)
+    out = summary(topo, model, atlas, others, across)
+    if args.bubbletea:
+        from launch.bubbletea.simulate import for_plan, render_line
+
+        bt = for_plan(topo, model, plan, DEFAULT_WINDOW)
+        print(render_line(bt))
+        ops += [Op(*p.lane, "prefill", p.start, p.end) for p in bt.packing.placements]
+        title += f", {100 * bt.utilisation:.0f}% with BubbleTea's prefill"
+        out["utilisation_bubbletea"] = bt.utilisation
+        out["prefill_tokens_per_s"] = bt.prefill_tokens_per_s
     if args.timeline:
         try:
             import matplotlib  # noqa: F401

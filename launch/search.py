@@ -56,7 +56,7 @@ def best(topo: Topology, model: ModelSpec, layouts: Iterable[Layout], window: fl
             res = simulate(replace(job, sharing=mode))
             runs += 1
             if found is None or _key(res.iteration, variant) < found.key():
-                found = Choice(variant, replace(job, sharing=mode), res, bound, memory(model, variant),
+                found = Choice(variant, replace(job, sharing=mode), res, bound, memory(topo, model, variant),
                                len(pool), 0)
     if found is not None:
         found.simulated = runs

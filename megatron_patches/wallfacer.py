@@ -31,7 +31,7 @@ BACKWARDS = ("auto", "kv", "q")
 def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, team_size: int,
                         causal: bool = True, softmax_scale: float | None = None, layout: str = "zigzag",
                         *, order=None, kernel: str = "auto", backward: str = "auto",
-                        check: bool = True) -> torch.Tensor:
+                        check: bool = True, deterministic: bool = False) -> torch.Tensor:
     """Softmax attention of the whole sequence, sharded over ``group``; returns this rank's rows.
 
     Args:
@@ -47,11 +47,13 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
             chunks r and 2P−1−r of 2P) or "contiguous" (chunks 2r, 2r+1). P·s_local must divide
             by 2P.
         order: slot → group rank permutation from placement.py (default: identity).
-        kernel: per-block kernel, one of block.KERNELS.
+        kernel: per-block kernel, one of block.KERNELS (or a kernel object, block.py).
         backward: "kv" (K/V and their gradients circulate), "q" (queries, dO, O and dQ circulate,
             as in the paper) or "auto" (the one with fewer bytes, volume.choose_backward).
         check: all-gather a few integers of metadata first so that bad or mismatched inputs raise
             the same ValueError on every rank (checks.py).
+        deterministic: bitwise reproducible gradients (flash-attn's deterministic backward,
+            block.py); Megatron's ``deterministic_mode``.
 
     Returns:
         ``[s_local, b, h, d]`` in q's dtype. Online-softmax state and gradient accumulators are
@@ -67,7 +69,8 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
                block.acc_dtype(q.dtype).itemsize)
     mode = choose_backward(lay, sh) if backward == "auto" else backward
     scale = default_scale(q.shape[3]) if softmax_scale is None else float(softmax_scale)
-    run = _Run(groups, block.select_kernel(kernel, q.device, q.dtype), scale, bool(causal), mode)
+    kern = block.select_kernel(kernel, q.device, q.dtype, deterministic, head_dim=q.shape[3])
+    run = _Run(groups, kern, scale, bool(causal), mode)
     return _WallFacer.apply(q, k, v, run)
 
 

@@ -1,10 +1,23 @@
 """The planner's cost model: per-layer formulas, a layout's job for the simulator, layer splits."""
 
+from dataclasses import replace
+
 import pytest
 
 from commweave import cost
 from launch import topology
-from launch.estimate import Layout, ModelSpec, build, fits, layer_caps, memory, split_layers, stage_layers
+from launch.estimate import (
+    Layout,
+    ModelSpec,
+    build,
+    fits,
+    layer_caps,
+    memory,
+    nccl_memory,
+    split_layers,
+    stage_layers,
+)
+from launch.sockets import nccl_buffer_memory, nccl_communicators
 
 RAW = {"datacenters": {"a": {"hosts": [{"name": "a0", "slots": 4}], "gpu_tflops": 100, "gpu_memory_gb": 80,
                              "node_bandwidth_gbps": 800, "intra_bandwidth_gbps": 80},
@@ -67,8 +80,27 @@ def test_memory_caps_and_fit():
     t = topology.parse(RAW)
     caps = layer_caps(t, M, ["a", "b"], tp=1, dp=2)
     per_layer = [M.stage_memory(1, 2, 1), M.stage_memory(1, 1, 1)]
-    assert caps == [int(80 * 2**30 // per_layer[0]), int(80 * 2**30 // per_layer[1])]
+    nccl = [nccl_memory(t, ["a", "b"], s, 1, 2, True) for s in range(2)]
+    assert caps == [int((80 * 2**30 - nccl[s]) // per_layer[s]) for s in range(2)]
     lay = Layout(1, (("a",), ("b",)), (3, 3))
-    assert memory(M, lay) == M.stage_memory(3, 2, 1) and fits(t, M, lay)
+    assert memory(t, M, lay) == M.stage_memory(3, 2, 1) + nccl_memory(t, ["a", "b"], 0, 1, 1, False)
+    assert fits(t, M, lay)
     big = ModelSpec(layers=2, hidden=32768, seq=512, global_batch=4)
     assert not fits(t, big, Layout(1, (("a",), ("b",)), (1, 1)))
+
+
+def test_nccl_buffers_count_in_memory():
+    """NCCL_BUFFSIZE for 8 Gb/s x 20 ms (20 MB in flight): 32 MiB under ATLAS, on every communicator of
+    a GPU: world, dp, pp, mp, the embedding group on stages 0 and 2, and ATLAS's WAN pair and token ring
+    at 1 -> 2. A stock launch keeps NCCL's 4 MiB and has no WAN groups."""
+    t = topology.parse(RAW)
+    lay = Layout(1, (("a", "a"), ("a", "a"), ("b", "b")), (2, 2, 2), atlas_runtime=True)
+    comms = [5, 4 + 2, 5 + 2]
+    assert [nccl_communicators(3, 1, 2, s, n) for s, n in enumerate([0, 1, 1])] == comms
+    assert nccl_buffer_memory(32 * 2**20, 1) == 4 * 2 * 32 * 2**20      # both ways, two peers, 2 channels
+    model = [M.stage_memory(2, min(3 - s, 4), 1) for s in range(3)]
+    assert memory(t, M, lay) == pytest.approx(max(model[s] + nccl_buffer_memory(32 * 2**20, comms[s])
+                                                  for s in range(3)))
+    stock = replace(lay, atlas_runtime=False)
+    assert memory(t, M, stock) == pytest.approx(max(
+        model[s] + nccl_buffer_memory(4 * 2**20, nccl_communicators(3, 1, 2, s, 0)) for s in range(3)))

@@ -66,9 +66,9 @@ setup(
     packages=find_packages(include=["commweave", "commweave.*", "ds_plugins", "ds_plugins.*",
                                     "megatron_patches", "megatron_patches.*", "launch", "launch.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "deepspeed>=0.19.0", "megatron-core>=0.16.1", "numpy", "tqdm"],
-    # matplotlib draws `python -m launch.plan --timeline` (imported only then); the tests draw one
-    extras_require={"test": ["pytest>=8", "pytest-timeout", "ruff", "matplotlib"], "plot": ["matplotlib"]},
+    install_requires=["torch>=2.4", "deepspeed>=0.19.0", "megatron-core>=0.16.1", "numpy", "tqdm",
+                      "matplotlib"],
+    extras_require={"test": ["pytest>=8", "pytest-timeout", "ruff"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension},
     entry_points={"console_scripts": ["deepspeed-atlas=launch.runner:main"]},

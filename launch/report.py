@@ -158,7 +158,7 @@ def cli(argv: list[str] | None = None) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("error: --timeline needs matplotlib: pip install matplotlib (or commweave[plot])",
+            print("error: --timeline needs matplotlib (a commweave requirement): pip install matplotlib",
                   file=sys.stderr)
             return 2
         if args.timeline_span:

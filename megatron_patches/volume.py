@@ -15,14 +15,17 @@ forward
     sub-ring hops                      (G−1)·2C·A_kv·e
     reduce-scatter O in the team       A_q(C−1)·e
 backward, both variants
-    all-gather dO and O in the team    2A_q(C−1)·e
+    all-gather dO and D in the team    (A_q·e + s·b·h_q·e')(C−1)   (D = rowsum(dO∘O), not O)
     reduce-scatter dq, dk, dv          (A_q + 2A_kv)(C−1)·e
+backward, team Q/K/V rebuilt ("rebuild", paper §3.2.2) rather than kept from the forward
+    all-gather q, k, v in the team     (A_q + 2A_kv)(C−1)·e, in the same all-gather as dO and D
+    placement again                    2C·A_kv·e, unless the rank keeps its own team's K/V
 backward, K/V circulating ("kv")
     sub-ring hops of k, v              (G−1)·2C·A_kv·e
     sub-ring hops of dk, dv            (G−1)·2C·A_kv·e'
     last dk, dv hop, fused with the inverse placement: 2C·A_kv·e' unless it stays on the rank
 backward, queries circulating ("q", the paper's §3.2.1 variant)
-    sub-ring hops of q, dO, O, lse     (G−1)·C·(3A_q·e + s·b·h_q·e')
+    sub-ring hops of q, dO, lse, D     (G−1)·C·(2A_q·e + 2·s·b·h_q·e')
     sub-ring hops of dq                (G−1)·C·A_q·e', plus the hop home C·A_q·e' when G > 1
     inverse placement of dk, dv        2C·A_kv·e', unless the rank kept its own team's K/V
 
@@ -83,18 +86,23 @@ def forward_bytes(lay: Layout, sh: Shard, rank: int, checked: bool = True) -> Co
     return +out
 
 
-def backward_bytes(lay: Layout, sh: Shard, rank: int, mode: str) -> Counter:
-    """Bytes ``rank`` sends in the backward of variant ``mode`` ("kv" or "q")."""
+def backward_bytes(lay: Layout, sh: Shard, rank: int, mode: str, rebuild: bool = False) -> Counter:
+    """Bytes ``rank`` sends in the backward of variant ``mode`` ("kv" or "q"); ``rebuild``: the team's
+    Q/K/V are gathered and placed again rather than kept from the forward."""
     c, g, out = lay.team_size, lay.ring_len, Counter()
     if c > 1:
-        out["all_gather", "team"] += 2 * sh.a_q * (c - 1) * sh.elt
+        out["all_gather", "team"] += (sh.a_q * sh.elt + sh.rows * sh.acc) * (c - 1)      # dO, D
         out["reduce_scatter", "team"] += (sh.a_q + 2 * sh.a_kv) * (c - 1) * sh.elt
+        if rebuild:
+            out["all_gather", "team"] += (sh.a_q + 2 * sh.a_kv) * (c - 1) * sh.elt       # q, k, v
+    if rebuild and lay.place_target(rank) != rank:
+        out["send", "cp"] += 2 * c * sh.a_kv * sh.elt
     if mode == "kv":
         out["send", "ring"] += (g - 1) * 2 * c * sh.a_kv * (sh.elt + sh.acc)
         if lay.place_source(lay.ring_next(rank)) != rank:
             out["send", "cp"] += 2 * c * sh.a_kv * sh.acc
     elif mode == "q":
-        out["send", "ring"] += (g - 1) * c * (3 * sh.a_q * sh.elt + sh.rows * sh.acc + sh.a_q * sh.acc)
+        out["send", "ring"] += (g - 1) * c * (2 * sh.a_q * sh.elt + 2 * sh.rows * sh.acc + sh.a_q * sh.acc)
         if g > 1:
             out["send", "ring"] += c * sh.a_q * sh.acc
         if lay.place_source(rank) != rank:
@@ -118,8 +126,9 @@ def mean_p2p(lay: Layout, sh: Shard, mode: str | None = None) -> float:
 def choose_backward(lay: Layout, sh: Shard) -> str:
     """The backward variant with fewer P2P bytes per rank; K/V circulation on a tie.
 
-    Per hop, queries move 3·A_q·e + A_q·e' (+ lse) against K/V's 2·A_kv·(e + e'): with MHA in 16-bit
-    the queries are lighter (10 vs 12 bytes per element), with GQA ratio h_q/h_kv ≥ 2 the K/V.
+    Per hop, queries move 2·A_q·e + A_q·e' (+ lse and D) against K/V's 2·A_kv·(e + e'): with MHA the
+    queries are lighter (8 vs 12 bytes per element in 16-bit, 12 vs 16 in fp32), with GQA ratio
+    h_q/h_kv ≥ 2 the K/V.
     """
     if lay.ring_len == 1:
         return "kv"

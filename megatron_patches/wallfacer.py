@@ -26,12 +26,25 @@ from megatron_patches.team import gather_team, reduce_team
 from megatron_patches.volume import Shard, choose_backward
 
 BACKWARDS = ("auto", "kv", "q")
+TEAM_QKV = ("auto", "keep", "rebuild")
+
+
+def resolve_team_qkv(team_qkv: str, team_size: int, recomputed: bool = False) -> str:
+    """``auto``: rebuild the team's Q/K/V in the backward when C > 1 (the paper's memory, eq. 6), unless
+    the caller recomputes the whole layer anyway (Megatron's full recompute: the kept tensors then live
+    only during that layer's backward, so rebuilding would cost the gather for no memory). C = 1 holds
+    the same bytes either way, so it keeps."""
+    if team_qkv not in TEAM_QKV:
+        raise ValueError(f"team_qkv={team_qkv!r} is not one of {TEAM_QKV}")
+    if team_qkv != "auto":
+        return team_qkv
+    return "rebuild" if team_size > 1 and not recomputed else "keep"
 
 
 def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, team_size: int,
                         causal: bool = True, softmax_scale: float | None = None, layout: str = "zigzag",
                         *, order=None, kernel: str = "auto", backward: str = "auto",
-                        check: bool = True) -> torch.Tensor:
+                        team_qkv: str = "auto", check: bool = True) -> torch.Tensor:
     """Softmax attention of the whole sequence, sharded over ``group``; returns this rank's rows.
 
     Args:
@@ -48,8 +61,13 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
             by 2P.
         order: slot → group rank permutation from placement.py (default: identity).
         kernel: per-block kernel, one of block.KERNELS.
-        backward: "kv" (K/V and their gradients circulate), "q" (queries, dO, O and dQ circulate,
-            as in the paper) or "auto" (the one with fewer bytes, volume.choose_backward).
+        backward: "kv" (K/V and their gradients circulate), "q" (queries, dO, the row sums
+            D = rowsum(dO∘O) and dQ circulate, as in the paper) or "auto" (the one with fewer bytes,
+            volume.choose_backward).
+        team_qkv: "keep" the team's Q and placed K/V from the forward for the backward (3C·A per
+            layer, MHA), "rebuild" them there with the same all-gather and placement (holds this
+            rank's q, k, v: 3A, as ring attention; the team's 3C·A then exist only while one layer's
+            backward runs, paper §3.2.2 eq. 6), or "auto" (resolve_team_qkv: rebuild when C > 1).
         check: all-gather a few integers of metadata first so that bad or mismatched inputs raise
             the same ValueError on every rank (checks.py).
 
@@ -59,6 +77,7 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     """
     if backward not in BACKWARDS:
         raise ValueError(f"backward={backward!r} is not one of {BACKWARDS}")
+    keep = resolve_team_qkv(team_qkv, team_size) == "keep"
     if check:
         check_inputs(q, k, v, group, team_size, causal, softmax_scale, layout)
     lay = Layout(comm.size(group), team_size, tuple(order or ()), layout)
@@ -67,15 +86,18 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
                block.acc_dtype(q.dtype).itemsize)
     mode = choose_backward(lay, sh) if backward == "auto" else backward
     scale = default_scale(q.shape[3]) if softmax_scale is None else float(softmax_scale)
-    run = _Run(groups, block.select_kernel(kernel, q.device, q.dtype), scale, bool(causal), mode)
+    run = _Run(groups, block.select_kernel(kernel, q.device, q.dtype), scale, bool(causal), mode, keep)
     return _WallFacer.apply(q, k, v, run)
 
 
 class _Run:
-    """What one call needs besides tensors: groups, kernel, scale, mask, backward variant."""
+    """What one call needs besides tensors: groups, kernel, scale, mask, backward variant, and whether
+    the team's Q/K/V are kept for the backward."""
 
-    def __init__(self, groups: WallFacerGroups, kernel, scale: float, causal: bool, mode: str) -> None:
+    def __init__(self, groups: WallFacerGroups, kernel, scale: float, causal: bool, mode: str,
+                 keep: bool = True) -> None:
         self.groups, self.kernel, self.scale, self.causal, self.mode = groups, kernel, scale, causal, mode
+        self.keep = keep
         lay = groups.layout
         self.lay, self.me = lay, groups.rank
         self.chunks = {t: lay.sorted_team_chunks(t) for t in range(lay.teams)}
@@ -152,14 +174,15 @@ def _attend(run: _Run, q_team: int, q, kv, kv_team: int, o, lse) -> None:
             _merge(_bhsd(o[member, wire]), lse[:, :, srt], o_b[:, :, res], lse_b[:, :, res])
 
 
-def _attend_backward(run: _Run, q_team: int, qdo, lse, kv, kv_team: int, dq, dkv) -> None:
+def _attend_backward(run: _Run, q_team: int, qd, o, lse, kv, kv_team: int, dq, dkv) -> None:
     """Gradients of one block, added into the all-gather-order accumulators dq [C, s, b, h, d] and
     dkv [C, 2, s, b, g, d].
 
-    ``qdo`` holds the team's q, dO and final O, each [C·s, b, h, d] (stacked or not), rows sorted.
+    ``qd`` holds the team's q and dO, ``o`` an O' with the team's D = rowsum(dO∘O) (_o_for_delta),
+    each [C·s, b, h, d], rows sorted.
     """
-    half = qdo[0].shape[0] // (2 * run.lay.team_size)
-    q, do, o = _bhsd(qdo[0]), _bhsd(qdo[1]), _bhsd(qdo[2])
+    half = qd[0].shape[0] // (2 * run.lay.team_size)
+    q, do, o = _bhsd(qd[0]), _bhsd(qd[1]), _bhsd(o)
     k, v = _bhsd(kv[0]), _bhsd(kv[1])
     for q0, q1, kn, diag in run.calls(q_team, kv_team):
         rows, keys = slice(q0 * half, q1 * half), slice(0, kn * half)
@@ -177,17 +200,12 @@ class _WallFacer(torch.autograd.Function):
     def forward(ctx, q, k, v, run: _Run):
         g, lay, me = run.groups, run.lay, run.me
         c, G, acc = lay.team_size, lay.ring_len, block.acc_dtype(q.dtype)
-        # Phase 1: team all-gather (one collective for q, k, v), rows sorted by chunk.
-        # Team K/V that is placed elsewhere is dead after the ring; q_t, and K/V that stays, are saved.
-        placing = lay.place_target(me) != me
-        buffers = run.gather_buffers({"wire": "wire", 1: "team"} if placing else {"wire": "wire"})
-        (q_t,), kv = gather_team(g, [q], [k, v], empty=buffers)  # kv: [2, C·s, b, g, d]
-        # Phase 1b: the initial placement (Alg. 2); queries stay.
-        kv0 = torch.empty_like(kv) if placing else kv
-        works = g.permute(kv, lay.place_target(me), kv0, lay.place_source(me), tag=0) if placing else []
+        # Phase 1 + 1b: team all-gather (one collective for q, k, v, rows sorted by chunk), then the
+        # initial placement (Alg. 2; queries stay). Kept for the backward ("keep") or rebuilt there.
+        (q_t,), kv, kv0, works = _team_qkv(run, [q], [k, v], saved=run.keep)
+        placing = kv0 is not kv
         # Phase 2: G ring steps, the next K/V in flight while this one is attended (double buffer: G − 1
-        # receives into at most two buffers; the team's K/V buffer is free for one once placed, kv0 is
-        # kept for the backward).
+        # receives into at most two buffers; the team's K/V buffer is free for one once placed).
         o = run.empty("acc", _by_member(q_t, c), acc, q.device).zero_()
         lse = torch.full((q.shape[1], q.shape[2], q_t.shape[0]), float("-inf"), dtype=acc, device=q.device)
         bufs = ([kv] if placing else [])[:G - 1]
@@ -212,26 +230,81 @@ class _WallFacer(torch.autograd.Function):
                 _bhsd(o[member, wire]).mul_(weight[:, :, srt])
         (out,) = reduce_team(g, [o], q.dtype)
         ctx.run = run
-        ctx.save_for_backward(q_t, kv0, lse_f, out)
+        # Memory (paper §3.2.2): "keep" holds the team's Q and placed K/V, 3C·A per layer (MHA) until
+        # the backward; "rebuild" holds this rank's own q, k, v (3A, what ring attention holds) and
+        # pays the team's 3C·A again only while this layer's backward runs, i.e. once, at the peak
+        # (eq. 6: PM = M + (Y + 3C + 1)·A against ring attention's M + (Y + 4)·A).
+        ctx.save_for_backward(*((q_t, kv0) if run.keep else (q, k, v)), lse_f, out)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         run = ctx.run
-        q_t, kv0, lse, out = ctx.saved_tensors
-        if run.lay.team_size == 1:
-            do_t, o_t = dout, out
+        *inputs, lse, out = ctx.saved_tensors
+        # D = rowsum(dO∘O) is all the kernels need of O (block.py): the team gathers D (b·h·s floats per
+        # rank) instead of O; the fp32 D travels in the wire's dtype as raw bytes.
+        delta = _row_dot(dout, out, lse.dtype)
+        d_bytes = delta.view(dout.dtype)
+        if run.keep:
+            q_t, kv0 = inputs
+            do_t, d_t = gather_team(run.groups, [dout], [d_bytes], empty=run.gather_buffers(
+                {"wire": "wire", 0: "team do", 1: "team D"}))
+            qd, works = torch.stack((q_t, do_t[0])), []
         else:
-            buffers = run.gather_buffers({"wire": "wire", 0: "team"})
-            do_t, o_t = gather_team(run.groups, [dout, out], empty=buffers)[0]
+            qd, _, kv0, works, d_t = _team_qkv(run, [inputs[0], dout], [inputs[1], inputs[2]], saved=False,
+                                               extra=[d_bytes])
+        d_t = d_t[0].view(lse.dtype)  # [C·s, b, h], rows sorted like the team tensors
+        for w in works:  # the rebuilt placement, overlapped with the dO/D gather above
+            w.wait()
         if run.mode == "kv":
-            dq, dkv = _backward_kv(run, (q_t, do_t, o_t), lse, kv0)
+            dq, dkv = _backward_kv(run, qd, d_t, lse, kv0)
         else:
-            qdo = torch.stack((q_t, do_t, o_t))  # one message per hop
-            del do_t, o_t
-            dq, dkv = _backward_q(run, qdo, lse, kv0)
-        dq_l, dkv_l = reduce_team(run.groups, [dq, dkv], q_t.dtype)
+            ld = torch.stack((lse, d_t.permute(1, 2, 0)))  # one message per hop: [2, b, h, C·s]
+            dq, dkv = _backward_q(run, qd, ld, kv0)
+        dq_l, dkv_l = reduce_team(run.groups, [dq, dkv], qd.dtype)
         return dq_l, dkv_l[0], dkv_l[1], None
+
+
+def _team_qkv(run: _Run, qs: list, kvs: list, saved: bool, extra: list = ()):
+    """Gather ``qs`` and ``kvs`` (and ``extra``) in the team, rows sorted, then post the placement of
+    the K/V stack (Alg. 2). Returns (team qs [L, C·s, ...], team K/V, placed K/V, placement works[,
+    team extra]); the placed K/V *is* the team K/V on ranks that keep their own. ``saved``: the
+    team Q and placed K/V outlive the call (kept for the backward), so they are not scratch buffers.
+    """
+    g, lay, me = run.groups, run.lay, run.me
+    placing = lay.place_target(me) != me
+    names = {"wire": "wire", 0: "team q", 2: "team extra"}
+    if placing or not saved:
+        names[1] = "team kv"  # dead once placed, or rebuilt in the backward
+    if saved:
+        del names[0]
+    stacks = [qs, kvs, list(extra)] if extra else [qs, kvs]
+    q_t, kv, *rest = gather_team(g, *stacks, empty=run.gather_buffers(names))
+    if not placing:
+        return (q_t, kv, kv, [], *rest)
+    kv0 = torch.empty_like(kv) if saved else run.empty("kv placed", kv.shape, kv.dtype, kv.device)
+    works = g.permute(kv, lay.place_target(me), kv0, lay.place_source(me), tag=0)
+    return (q_t, kv, kv0, works, *rest)
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """rowsum(a∘b) over the head dim, in ``acc``: [s, b, h, d] × 2 → [s, b, h], contiguous."""
+    return torch.linalg.vecdot(a.to(acc), b.to(acc))
+
+
+def _o_for_delta(do: torch.Tensor, delta: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write into ``out`` (dO's shape [..., d] and dtype) an O' with rowsum(dO∘O') = D (``delta`` [...]).
+
+    The block kernels (flash-attn's and ATen's backward, block.py) take O, not D, and read it only
+    through D = rowsum(dO∘O) (FlashAttention-2 Alg. 2). O' = dO·D/|dO|² (rows with dO = 0 have D = 0
+    and get O' = 0) makes every term dO_i·O'_i of the kernel's sum the same sign, so its D is exact up
+    to O''s rounding (relative to D, no cancellation), and |O'| ≤ |O| (Cauchy-Schwarz): no overflow
+    where O had none.
+    """
+    d = do.to(delta.dtype)
+    norm = torch.linalg.vecdot(d, d)
+    scale = torch.where(norm > 0, delta / norm.clamp_min(torch.finfo(norm.dtype).tiny), 0.0)
+    return torch.mul(d, scale.unsqueeze(-1), out=out)
 
 
 def _dkv_shape(kv0: torch.Tensor, c: int) -> tuple[int, ...]:
@@ -280,15 +353,16 @@ class _Relay:
         return self._arriving
 
 
-def _backward_kv(run: _Run, qdo, lse, kv0):
-    """K/V and their gradients circulate; queries, dO, O and dQ stay (ring-flash-attention's scheme).
+def _backward_kv(run: _Run, qd, delta, lse, kv0):
+    """K/V and their gradients circulate; queries, dO, D and dQ stay (ring-flash-attention's scheme).
 
     After G steps a rank holds the dK/dV of the K/V that ring_next placed; the last hop sends them
     straight to the rank that placed that K/V (the inverse of Alg. 2), saving the hop home.
     """
     g, lay, me = run.groups, run.lay, run.me
     acc, G, c = lse.dtype, lay.ring_len, lay.team_size
-    dq = run.empty("acc", _by_member(qdo[0], c), acc, kv0.device).zero_()
+    o = _o_for_delta(qd[1], delta, run.empty("o", qd[1].shape, qd.dtype, qd.device))
+    dq = run.empty("acc", _by_member(qd[0], c), acc, kv0.device).zero_()
     kv_bufs = [run.empty(f"kv{j}", kv0.shape, kv0.dtype, kv0.device) for j in range(min(2, G - 1))]
     relay = _Relay(run, "dkv", _dkv_shape(kv0, c), acc, kv0.device)
     home, home_src = lay.place_source(lay.ring_next(me)), lay.ring_prev(lay.place_target(me))
@@ -299,7 +373,7 @@ def _backward_kv(run: _Run, qdo, lse, kv0):
         nxt = kv_bufs[i % 2] if i + 1 < G else None
         kv_works = g.ring_shift([cur], [nxt], tag=0) if nxt is not None else []
         blk = relay.begin()
-        _attend_backward(run, g.my_team, qdo, lse, cur, lay.kv_team(me, i), dq, blk)
+        _attend_backward(run, g.my_team, qd, o, lse, cur, lay.kv_team(me, i), dq, blk)
         if i + 1 < G:
             relay.pass_on(blk, lambda x, r: g.ring_shift([x], [r], tag=1))
         else:
@@ -308,25 +382,28 @@ def _backward_kv(run: _Run, qdo, lse, kv0):
     return dq, relay.result()
 
 
-def _backward_q(run: _Run, qdo, lse, kv0):
-    """The paper's backward: each team's (q, dO, O, lse) and its dQ travel; dK/dV stay, then go home.
+def _backward_q(run: _Run, qd, ld, kv0):
+    """The paper's backward: each team's (q, dO) and (lse, D) and its dQ travel; dK/dV stay, then go
+    home. D = rowsum(dO∘O) replaces O on the wire: per hop 2·A_q + 2 rows instead of 3·A_q + 1 row.
 
     With G > 1 the dQ makes G hops: G − 1 with its queries, then the one back to its own team.
     """
     g, lay, me = run.groups, run.lay, run.me
-    acc, G, c = lse.dtype, lay.ring_len, lay.team_size
+    acc, G, c = ld.dtype, lay.ring_len, lay.team_size
     dkv = run.empty("acc", _dkv_shape(kv0, c), acc, kv0.device).zero_()
-    b_bufs = [(run.empty(f"qdo{j}", qdo.shape, qdo.dtype, qdo.device),
-               run.empty(f"lse{j}", lse.shape, lse.dtype, lse.device)) for j in range(min(2, G - 1))]
-    relay = _Relay(run, "dq", _by_member(qdo[0], c), acc, qdo.device)
-    b_works, cur, blk = [], (qdo, lse), None
+    b_bufs = [(run.empty(f"qd{j}", qd.shape, qd.dtype, qd.device),
+               run.empty(f"ld{j}", ld.shape, ld.dtype, ld.device)) for j in range(min(2, G - 1))]
+    o = run.empty("o", qd[1].shape, qd.dtype, qd.device)
+    relay = _Relay(run, "dq", _by_member(qd[0], c), acc, qd.device)
+    b_works, cur, blk = [], (qd, ld), None
     for i in range(G):
         for w in b_works:
             w.wait()
         nxt = b_bufs[i % 2] if i + 1 < G else None
         b_works = g.ring_shift(list(cur), list(nxt), tag=0) if nxt is not None else []
         blk = relay.begin()
-        _attend_backward(run, lay.q_team_at(me, i), cur[0], cur[1], kv0, lay.kv_team(me, 0), blk, dkv)
+        _o_for_delta(cur[0][1], cur[1][1].permute(2, 0, 1), o)
+        _attend_backward(run, lay.q_team_at(me, i), cur[0], o, cur[1][0], kv0, lay.kv_team(me, 0), blk, dkv)
         if G > 1:
             relay.pass_on(blk, lambda x, r: g.ring_shift([x], [r], tag=1))
         cur = nxt if nxt is not None else cur

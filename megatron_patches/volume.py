@@ -29,6 +29,19 @@ backward, queries circulating ("q", the paper's §3.2.1 variant)
     sub-ring hops of dq                (G−1)·C·A_q·e', plus the hop home C·A_q·e' when G > 1
     inverse placement of dk, dv        2C·A_kv·e', unless the rank kept its own team's K/V
 
+Ulysses x WallFacer (hybrid.py, U > 1), per rank, n = h_q/U query heads and n' = max(1, h_kv/U)
+K/V heads per member, row = s·b·d:
+
+forward
+    all-to-all q, k, v to head shards  (U−1)·row·(n + 2n')·e      (group "ulysses")
+    all-to-all O back                  (U−1)·row·n·e
+    WallFacer over the P/U groups      the formulas above for U·s rows, n and n' heads, team size C,
+                                       its placement moves over group "outer"
+    checks (first call)                the 22 int64 above and 3 more (U, C, layout), over the CP group
+backward
+    all-to-all dO, then dq, dk, dv     (U−1)·row·n·e + (U−1)·row·(n + 2n')·e
+    WallFacer's backward over the P/U groups
+
 C = 1 is ring attention (zigzag): (P−1)·2A_kv forward; (P−1)·2A_kv + P·2A_kv·e'/e backward, as in
 ring-flash-attention. Counted the paper's way (every rank sends the placement, ring attention P
 hops) the forward P2P is exactly 1/C of ring attention's: G·2C·A = (P/C)·2A. Measured, ranks that
@@ -43,6 +56,7 @@ from dataclasses import dataclass
 from megatron_patches.layout import Layout
 
 META_BYTES = 22 * 8  # checks._FIELDS int64 per rank
+HYBRID_META_BYTES = 3 * 8  # hybrid._META int64 per rank
 
 
 @dataclass(frozen=True)
@@ -133,3 +147,25 @@ def choose_backward(lay: Layout, sh: Shard) -> str:
     if lay.ring_len == 1:
         return "kv"
     return "q" if mean_p2p(lay, sh, "q") < mean_p2p(lay, sh, "kv") else "kv"
+
+
+def hybrid_bytes(world: int, u: int, lay: Layout, sh: Shard, rank: int, mode: str, rebuild: bool = False,
+                 checked: bool = True) -> tuple[Counter, Counter]:
+    """Forward and backward bytes CP rank ``rank`` sends in Ulysses x WallFacer with Ulysses size ``u``;
+    ``lay`` is WallFacer's layout over the P/U groups, ``sh`` this rank's shard before the all-to-all.
+    Keys as above, plus ``(kind, "ulysses")`` and ``"outer"`` for WallFacer's placement moves."""
+    n, n_kv = sh.hq // u, max(1, sh.hkv // u)
+    inner = Shard(u * sh.s, sh.b, n, n_kv, sh.d, sh.elt, sh.acc)
+    row = (u - 1) * sh.s * sh.b * sh.d * sh.elt
+    index = rank // u
+
+    def outer(counts: Counter) -> Counter:
+        return Counter({(kind, "outer" if grp == "cp" else grp): n for (kind, grp), n in counts.items()})
+
+    fwd = outer(forward_bytes(lay, inner, index, checked=False))
+    fwd["all_to_all", "ulysses"] += row * (n + 2 * n_kv) + row * n
+    if checked:
+        fwd["all_gather", "cp"] += (META_BYTES + HYBRID_META_BYTES) * (world - 1)
+    bwd = outer(backward_bytes(lay, inner, index, mode, rebuild))
+    bwd["all_to_all", "ulysses"] += row * n + row * (n + 2 * n_kv)
+    return +fwd, +bwd

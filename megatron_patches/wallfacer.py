@@ -18,10 +18,10 @@ import math
 import torch
 
 from commweave import comm
-from megatron_patches import block
+from megatron_patches import block, hybrid
 from megatron_patches.checks import check_inputs, default_scale
 from megatron_patches.groups import WallFacerGroups, wallfacer_groups
-from megatron_patches.layout import Layout, causal_calls
+from megatron_patches.layout import LAYOUTS, Layout, causal_calls
 from megatron_patches.team import gather_team, reduce_team
 from megatron_patches.volume import Shard, choose_backward
 
@@ -44,7 +44,7 @@ def resolve_team_qkv(team_qkv: str, team_size: int, recomputed: bool = False) ->
 def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, team_size: int,
                         causal: bool = True, softmax_scale: float | None = None, layout: str = "zigzag",
                         *, order=None, kernel: str = "auto", backward: str = "auto",
-                        team_qkv: str = "auto", check: bool = True) -> torch.Tensor:
+                        team_qkv: str = "auto", ulysses_size: int = 1, check: bool = True) -> torch.Tensor:
     """Softmax attention of the whole sequence, sharded over ``group``; returns this rank's rows.
 
     Args:
@@ -68,8 +68,12 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
             layer, MHA), "rebuild" them there with the same all-gather and placement (holds this
             rank's q, k, v: 3A, as ring attention; the team's 3C·A then exist only while one layer's
             backward runs, paper §3.2.2 eq. 6), or "auto" (resolve_team_qkv: rebuild when C > 1).
+        ulysses_size: U > 1 runs the Ulysses x WallFacer hybrid (hybrid.py): a head all-to-all
+            inside groups of U consecutive ranks, then WallFacer with team size C (C² dividing P/U)
+            over the P/U groups, on U·s rows and h/U heads. U must divide P and h; g must be a
+            multiple of U or divide it. ``order`` then permutes the P/U groups.
         check: all-gather a few integers of metadata first so that bad or mismatched inputs raise
-            the same ValueError on every rank (checks.py).
+            the same ValueError on every rank (checks.py; hybrid.check_hybrid for U and C).
 
     Returns:
         ``[s_local, b, h, d]`` in q's dtype. Online-softmax state and gradient accumulators are
@@ -78,6 +82,19 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     if backward not in BACKWARDS:
         raise ValueError(f"backward={backward!r} is not one of {BACKWARDS}")
     keep = resolve_team_qkv(team_qkv, team_size) == "keep"
+    if not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool) or ulysses_size < 1:
+        raise ValueError(f"ulysses_size={ulysses_size!r} must be an int >= 1")
+    if ulysses_size > 1:
+        if check:
+            check_inputs(q, k, v, group, 1, causal, softmax_scale, layout)
+            hybrid.check_hybrid(group, ulysses_size, team_size, LAYOUTS.index(layout), q.shape[2], k.shape[2])
+
+        def inner(qh, kh, vh, outer):
+            return wallfacer_attention(qh, kh, vh, outer, team_size, causal, softmax_scale, layout,
+                                       order=order, kernel=kernel, backward=backward, team_qkv=team_qkv,
+                                       check=False)
+
+        return hybrid.ulysses_wallfacer(q, k, v, group, ulysses_size, layout, inner)
     if check:
         check_inputs(q, k, v, group, team_size, causal, softmax_scale, layout)
     lay = Layout(comm.size(group), team_size, tuple(order or ()), layout)

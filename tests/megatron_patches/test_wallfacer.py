@@ -152,9 +152,11 @@ def _ledger_case(c, mode, dtype, hq=4, hkv=2, s_local=4, b=2, d=8):
     return out
 
 
-def _as_counts(led: dict) -> dict:
+LEDGER_NAMES = {TEAM: "team", RING: "ring", "world": "cp"}
+
+
+def _as_counts(led: dict, names: dict = LEDGER_NAMES) -> dict:
     """Ledger dict → {(kind, "team"|"ring"|"cp"): sent bytes}, only the kinds that sent something."""
-    names = {TEAM: "team", RING: "ring", "world": "cp"}
     out = {}
     for key, entry in led.items():
         kind, group = key.split("@")

@@ -99,3 +99,8 @@ def wallfacer_groups(cp_group, layout: Layout) -> WallFacerGroups:
     groups = WallFacerGroups(cp_group, layout, me, team, ring, ring_rank)
     _cache[key] = groups
     return groups
+
+
+def cached_groups() -> list[WallFacerGroups]:
+    """Every WallFacerGroups this process made (one per CP group and layout)."""
+    return list(_cache.values())

@@ -20,7 +20,7 @@ import torch
 from commweave import comm
 from megatron_patches import block, hybrid
 from megatron_patches.checks import check_inputs, default_scale
-from megatron_patches.groups import WallFacerGroups, wallfacer_groups
+from megatron_patches.groups import WallFacerGroups, cached_groups, wallfacer_groups
 from megatron_patches.layout import LAYOUTS, Layout, causal_calls
 from megatron_patches.team import gather_team, reduce_team
 from megatron_patches.volume import Shard, choose_backward
@@ -107,6 +107,28 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     return _WallFacer.apply(q, k, v, run)
 
 
+_KEEP_CPU_BUFFERS = [True]
+
+
+def keep_cpu_buffers(enabled: bool) -> None:
+    """Whether CPU calls keep their dead buffers for the next call (the default, _Run.empty) or allocate
+    and free them as CUDA calls do (what a caching allocator's peak sees; benchmarks.attention)."""
+    _KEEP_CPU_BUFFERS[0] = bool(enabled)
+    if not enabled:
+        release_buffers()
+
+
+def kept_buffer_bytes() -> int:
+    """Bytes of the CPU buffers kept between calls (_Run.empty), over every cached layout of this process."""
+    return sum(t.numel() * t.element_size() for g in cached_groups() for t in g.scratch.values())
+
+
+def release_buffers() -> None:
+    """Free the CPU buffers kept between calls; the next call allocates them again."""
+    for g in cached_groups():
+        g.scratch.clear()
+
+
 class _Run:
     """What one call needs besides tensors: groups, kernel, scale, mask, backward variant, and whether
     the team's Q/K/V are kept for the backward."""
@@ -135,7 +157,7 @@ class _Run:
         request: the forward and the backward use the same names for buffers of the same role (they
         never live at once). Outputs and tensors saved for the backward are never such buffers.
         """
-        if device.type != "cpu":
+        if device.type != "cpu" or not _KEEP_CPU_BUFFERS[0]:
             return torch.empty(shape, dtype=dtype, device=device)
         n, buf = math.prod(shape), self.groups.scratch.get(name)
         if buf is None or buf.dtype != dtype or buf.numel() < n:
@@ -266,13 +288,15 @@ class _WallFacer(torch.autograd.Function):
             q_t, kv0 = inputs
             do_t, d_t = gather_team(run.groups, [dout], [d_bytes], empty=run.gather_buffers(
                 {"wire": "wire", 0: "team do", 1: "team D"}))
-            qd, works = torch.stack((q_t, do_t[0])), []
+            qd, works, kv_t = torch.stack((q_t, do_t[0])), [], None
+            del do_t
         else:
-            qd, _, kv0, works, d_t = _team_qkv(run, [inputs[0], dout], [inputs[1], inputs[2]], saved=False,
-                                               extra=[d_bytes])
+            qd, kv_t, kv0, works, d_t = _team_qkv(run, [inputs[0], dout], [inputs[1], inputs[2]], saved=False,
+                                                  extra=[d_bytes])
         d_t = d_t[0].view(lse.dtype)  # [C·s, b, h], rows sorted like the team tensors
-        for w in works:  # the rebuilt placement, overlapped with the dO/D gather above
+        for w in works:  # the rebuilt placement
             w.wait()
+        del kv_t  # placed: only kv0 is needed now (the same tensor on ranks that keep their own)
         if run.mode == "kv":
             dq, dkv = _backward_kv(run, qd, d_t, lse, kv0)
         else:

@@ -214,6 +214,36 @@ def test_results_do_not_alias_buffers_kept_between_calls(world, mode):
         assert max(world.run(_reuse_case, c, mode)) == 0.0, f"C={c}"
 
 
+def _saved_case(c, s_local=4, b=2, hq=4, hkv=2, d=8):
+    """Bytes the attention saves for its backward (every tensor autograd packs), per team_qkv."""
+    torch.manual_seed(dist.get_rank())
+    out = {}
+    for team_qkv in ("keep", "rebuild"):
+        mine = [torch.randn(s_local, b, h, d).requires_grad_() for h in (hq, hkv, hkv)]
+        saved = []
+
+        def pack(t, saved=saved):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            o = wallfacer_attention(*mine, dist.group.WORLD, c, team_qkv=team_qkv)
+        o.backward(torch.ones_like(o))
+        out[team_qkv] = sum(saved)
+    return out
+
+
+@pytest.mark.world_size(4)
+def test_rebuild_saves_what_ring_attention_saves(world):
+    """Per layer (paper §3.2.2): kept, the team's Q and placed K/V, C·A_q + 2C·A_kv; rebuilt, this rank's
+    q, k, v, A_q + 2·A_kv — as ring attention; both also save O and the team's lse (fp32)."""
+    c, s, b, hq, hkv, d = 2, 4, 2, 4, 2, 8
+    a_q, a_kv, lse = s * b * hq * d * 4, s * b * hkv * d * 4, c * s * b * hq * 4
+    for saved in world.run(_saved_case, c):
+        assert saved["keep"] == c * a_q + 2 * c * a_kv + a_q + lse
+        assert saved["rebuild"] == a_q + 2 * a_kv + a_q + lse
+
+
 def _bad(kind):
     """Break one rule (on every rank or on one) and return the ValueError text, or None."""
     me, world = dist.get_rank(), dist.get_world_size()

@@ -194,8 +194,10 @@ class _ToHeads(torch.autograd.Function):
         grads = [recv[..., :n, :].permute(1, 2, 0, 3, 4).reshape(sh.s, sh.b, sh.h, sh.d)]
         for j in range(2):
             part = recv[..., n + j * n_kv:n + (j + 1) * n_kv, :].permute(1, 2, 0, 3, 4)
-            grad = dq.new_zeros(sh.s, sh.b, sh.g, sh.d)  # replicated heads: the members' parts add up
-            grads.append(grad.index_add_(2, sh.kv_index, part.reshape(sh.s, sh.b, u * n_kv, sh.d)))
+            part = part.reshape(sh.s, sh.b, u * n_kv, sh.d)
+            if not sh.kv_all:  # replicated heads: the members' parts add up
+                part = dq.new_zeros(sh.s, sh.b, sh.g, sh.d).index_add_(2, sh.kv_index, part)
+            grads.append(part)
         return None, *grads
 
 

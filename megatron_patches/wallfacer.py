@@ -97,12 +97,14 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
         return hybrid.ulysses_wallfacer(q, k, v, group, ulysses_size, layout, inner)
     if check:
         check_inputs(q, k, v, group, team_size, causal, softmax_scale, layout)
+    scale = default_scale(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    if comm.size(group) == 1:  # the whole sequence, in order (either layout): one kernel call each way
+        return _Local.apply(q, k, v, block.select_kernel(kernel, q.device, q.dtype), scale, bool(causal))
     lay = Layout(comm.size(group), team_size, tuple(order or ()), layout)
     groups = wallfacer_groups(group, lay)
     sh = Shard(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.element_size(),
                block.acc_dtype(q.dtype).itemsize)
     mode = choose_backward(lay, sh) if backward == "auto" else backward
-    scale = default_scale(q.shape[3]) if softmax_scale is None else float(softmax_scale)
     run = _Run(groups, block.select_kernel(kernel, q.device, q.dtype), scale, bool(causal), mode, keep)
     return _WallFacer.apply(q, k, v, run)
 
@@ -288,7 +290,9 @@ class _WallFacer(torch.autograd.Function):
             q_t, kv0 = inputs
             do_t, d_t = gather_team(run.groups, [dout], [d_bytes], empty=run.gather_buffers(
                 {"wire": "wire", 0: "team do", 1: "team D"}))
-            qd, works, kv_t = torch.stack((q_t, do_t[0])), [], None
+            # One message per hop in "q"; in "kv" the queries stay, so no stacked copy.
+            qd = torch.stack((q_t, do_t[0])) if run.mode == "q" else (q_t, do_t[0])
+            works, kv_t = [], None
             del do_t
         else:
             qd, kv_t, kv0, works, d_t = _team_qkv(run, [inputs[0], dout], [inputs[1], inputs[2]], saved=False,
@@ -298,12 +302,34 @@ class _WallFacer(torch.autograd.Function):
             w.wait()
         del kv_t  # placed: only kv0 is needed now (the same tensor on ranks that keep their own)
         if run.mode == "kv":
-            dq, dkv = _backward_kv(run, qd, d_t, lse, kv0)
+            # C = 1: the team's O is this rank's own output, no stand-in needed.
+            dq, dkv = _backward_kv(run, qd, d_t, lse, kv0, out if run.lay.team_size == 1 else None)
         else:
             ld = torch.stack((lse, d_t.permute(1, 2, 0)))  # one message per hop: [2, b, h, C·s]
             dq, dkv = _backward_q(run, qd, ld, kv0)
-        dq_l, dkv_l = reduce_team(run.groups, [dq, dkv], qd.dtype)
+        dq_l, dkv_l = reduce_team(run.groups, [dq, dkv], dout.dtype)
         return dq_l, dkv_l[0], dkv_l[1], None
+
+
+class _Local(torch.autograd.Function):
+    """P = 1 (Ulysses alone, U = P, in hybrid.py): attention of this rank's whole sequence, no team or
+    ring; the block kernel's forward and backward once each, [s, b, ·, d] in and out."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernel, scale: float, causal: bool):
+        o, lse = kernel.forward(_bhsd(q), _bhsd(k), _bhsd(v), scale, causal)
+        out = o.permute(2, 0, 1, 3).to(q.dtype)
+        ctx.args = kernel, scale, causal
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        kernel, scale, causal = ctx.args
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = kernel.backward(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, scale, causal)
+        dq, dk, dv = (g.permute(2, 0, 1, 3).to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
+        return dq, dk, dv, None, None, None
 
 
 def _team_qkv(run: _Run, qs: list, kvs: list, saved: bool, extra: list = ()):
@@ -387,6 +413,14 @@ class _Relay:
         recv = self._take()
         self._works, self._sent, self._arriving = hop(blk, recv), blk, recv
 
+    def keep(self, blk: torch.Tensor) -> torch.Tensor:
+        """Instead of a last hop: add the predecessor's sum into ``blk``, which stays on this rank."""
+        for w in self._works:
+            w.wait()
+        if self._arriving is not None:
+            blk += self._arriving
+        return blk
+
     def result(self) -> torch.Tensor:
         """What the last hop delivered to this rank."""
         for w in self._works:
@@ -394,15 +428,17 @@ class _Relay:
         return self._arriving
 
 
-def _backward_kv(run: _Run, qd, delta, lse, kv0):
+def _backward_kv(run: _Run, qd, delta, lse, kv0, o=None):
     """K/V and their gradients circulate; queries, dO, D and dQ stay (ring-flash-attention's scheme).
 
     After G steps a rank holds the dK/dV of the K/V that ring_next placed; the last hop sends them
-    straight to the rank that placed that K/V (the inverse of Alg. 2), saving the hop home.
+    straight to the rank that placed that K/V (the inverse of Alg. 2), saving the hop home; a rank that
+    placed that K/V itself keeps them. ``o``: the team's O if at hand, else a stand-in from D.
     """
     g, lay, me = run.groups, run.lay, run.me
     acc, G, c = lse.dtype, lay.ring_len, lay.team_size
-    o = _o_for_delta(qd[1], delta, run.empty("o", qd[1].shape, qd.dtype, qd.device))
+    if o is None:
+        o = _o_for_delta(qd[1], delta, run.empty("o", qd[1].shape, qd[1].dtype, qd[1].device))
     dq = run.empty("acc", _by_member(qd[0], c), acc, kv0.device).zero_()
     kv_bufs = [run.empty(f"kv{j}", kv0.shape, kv0.dtype, kv0.device) for j in range(min(2, G - 1))]
     relay = _Relay(run, "dkv", _dkv_shape(kv0, c), acc, kv0.device)
@@ -417,6 +453,8 @@ def _backward_kv(run: _Run, qd, delta, lse, kv0):
         _attend_backward(run, g.my_team, qd, o, lse, cur, lay.kv_team(me, i), dq, blk)
         if i + 1 < G:
             relay.pass_on(blk, lambda x, r: g.ring_shift([x], [r], tag=1))
+        elif home == me:
+            return dq, relay.keep(blk)
         else:
             relay.pass_on(blk, lambda x, r: g.permute(x, home, r, home_src, tag=1))
         cur = nxt if nxt is not None else cur
@@ -448,6 +486,8 @@ def _backward_q(run: _Run, qd, ld, kv0):
         if G > 1:
             relay.pass_on(blk, lambda x, r: g.ring_shift([x], [r], tag=1))
         cur = nxt if nxt is not None else cur
+    if lay.place_source(me) == me:  # the K/V this rank holds are its own team's
+        return (relay.result() if G > 1 else blk), dkv
     dkv_home = run.empty("dkv home", dkv.shape, acc, kv0.device)
     works = g.permute(dkv, lay.place_source(me), dkv_home, lay.place_target(me), tag=2)
     dq = relay.result() if G > 1 else blk

@@ -55,6 +55,25 @@ def test_exact_against_full_attention_p8(world):
     assert not bad, f"over 1e-10 (U, C, causal, hq, hkv, backward, team_qkv, layout): {bad}"
 
 
+def _low_precision(cases, dtype="bf16"):
+    """16-bit hybrid vs fp64, next to single-process attention in the same dtype vs fp64."""
+    world = dist.get_world_size()
+    q, k, v, do = _global_inputs(world * 8, 2, 8, 2, 16)
+    rows = local_rows("zigzag", world, dist.get_rank(), 8)
+    exact, low = _reference(q, k, v, do, True), _reference(q, k, v, do, True, DTYPES[dtype])
+    single = [(lo.double() - ex)[rows].abs().max().item() for lo, ex in zip(low, exact, strict=True)]
+    return {(u, c): (_case(u, c, True, 8, 2, "auto", "auto", "zigzag", dtype, s_local=8, d=16), single)
+            for u, c in cases}
+
+
+@pytest.mark.world_size(8)
+def test_bf16_within_twice_single_process_error(world):
+    for per_case in world.run(_low_precision, [(8, 1), (2, 2), (4, 1)]):
+        for (u, c), (hybrid, single) in per_case.items():
+            for name, h, s in zip(("out", "dq", "dk", "dv"), hybrid, single, strict=True):
+                assert h <= 2 * s, f"U={u} C={c} {name}: bf16 error {h:.3g} > 2 x single-process {s:.3g}"
+
+
 def _ledger_cases(cases, hq=8, hkv=2, s_local=4, b=2, d=8):
     """Forward and backward ledgers of each (U, C, backward, team_qkv, dtype)."""
     out = {}

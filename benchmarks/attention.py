@@ -127,7 +127,7 @@ def _methods(world: int, me: int, head_dim: int, heads: int):
                for c in reversed(valid_team_sizes(world))}
     c = max(valid_team_sizes(world))
     if c > 1:
-        methods[f"wallfacer C={c} keep"] = ("zigzag", lambda q, k, v: wallfacer_attention(
+        methods[f"wallfacer C={c} keep"] = ("zigzag", lambda q, k, v, c=c: wallfacer_attention(
             q, k, v, group, c, team_qkv="keep", check=False))
     for u, c in hybrids(world, heads):
         methods[f"U={u} C={c}"] = ("zigzag", lambda q, k, v, u=u, c=c: wallfacer_attention(
@@ -230,7 +230,7 @@ def _memory(s: int, b: int, h: int, d: int, layers: list[int]):
 
 def memory_world(world: int, args, layers=(1, 4)) -> dict:
     s, b, h, d = args.seq_per_rank, args.batch, args.heads, args.head_dim
-    with World(world, timeout=1800) as w:
+    with World(world, timeout=1800, start_timeout=900) as w:
         per_rank = w.run(_memory, s, b, h, d, list(layers))
     a = s * b * h * d * 4
     c = max(valid_team_sizes(world))
@@ -276,7 +276,7 @@ def _load() -> str:
 
 
 def run_world(world: int, args) -> dict:
-    with World(world, timeout=1800) as w:
+    with World(world, timeout=1800, start_timeout=900) as w:
         per_rank = w.run(_measure, args.seq_per_rank, args.batch, args.heads, args.head_dim, args.reps + 1)
     rows = {}
     for name in per_rank[0]:
@@ -305,7 +305,7 @@ def run_world(world: int, args) -> dict:
 
 
 def p2p_world(world: int) -> dict:
-    with World(world, timeout=600) as w:
+    with World(world, timeout=600, start_timeout=900) as w:
         per_rank = w.run(_p2p_bytes, 8, 1, 4, 8)
     ring_fwd = statistics.mean(r[1][0] for r in per_rank)
     print(f"\nP2P bytes sent per rank in the forward at P = {world}, over ring attention's (C = 1):")

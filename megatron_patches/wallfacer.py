@@ -203,16 +203,21 @@ def _merge(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: tor
     lse.copy_(new)
 
 
-def _attend(run: _Run, q_team: int, q, kv, kv_team: int, o, lse) -> None:
+def _attend(run: _Run, q_team: int, q, kv, kv_team: int, o, lse, first: bool = False) -> None:
     """Team queries ``q`` [b,h,C·s,d] against one team's K/V ``kv`` [2, C·s, b, g, d] (rows sorted),
-    merged into ``o`` [C, s, b, h, d] (all-gather order) and ``lse`` [b, h, C·s] (sorted)."""
+    merged into ``o`` [C, s, b, h, d] (all-gather order) and ``lse`` [b, h, C·s] (sorted).
+    ``first``: the calls cover every row and nothing was merged yet, so the blocks are copied."""
     half = q.shape[2] // (2 * run.lay.team_size)
     k, v = _bhsd(kv[0]), _bhsd(kv[1])
     for q0, q1, kn, diag in run.calls(q_team, kv_team):
         rows, keys = slice(q0 * half, q1 * half), slice(0, kn * half)
         o_b, lse_b = run.kernel.forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], run.scale, diag)
         for res, srt, member, wire in run.pieces(q_team, q0, q1, half):
-            _merge(_bhsd(o[member, wire]), lse[:, :, srt], o_b[:, :, res], lse_b[:, :, res])
+            if first:
+                _bhsd(o[member, wire]).copy_(o_b[:, :, res])
+                lse[:, :, srt].copy_(lse_b[:, :, res])
+            else:
+                _merge(_bhsd(o[member, wire]), lse[:, :, srt], o_b[:, :, res], lse_b[:, :, res])
 
 
 def _attend_backward(run: _Run, q_team: int, qd, o, lse, kv, kv_team: int, dq, dkv) -> None:
@@ -247,8 +252,13 @@ class _WallFacer(torch.autograd.Function):
         placing = kv0 is not kv
         # Phase 2: G ring steps, the next K/V in flight while this one is attended (double buffer: G − 1
         # receives into at most two buffers; the team's K/V buffer is free for one once placed).
-        o = run.empty("acc", _by_member(q_t, c), acc, q.device).zero_()
+        o = run.empty("acc", _by_member(q_t, c), acc, q.device)
         lse = torch.full((q.shape[1], q.shape[2], q_t.shape[0]), float("-inf"), dtype=acc, device=q.device)
+        # Rows no block reaches keep O = 0, lse = −inf; when step 0 reaches all (always with C = 1: the
+        # rank's own diagonal block), its blocks are copied in rather than merged into zeros.
+        covered = sum(q1 - q0 for q0, q1, _, _ in run.calls(g.my_team, lay.kv_team(me, 0))) == 2 * c
+        if not covered:
+            o.zero_()
         bufs = ([kv] if placing else [])[:G - 1]
         bufs += [run.empty(f"kv{j}", kv.shape, kv.dtype, kv.device) for j in range(min(2, G - 1) - len(bufs))]
         cur, qb = kv0, _bhsd(q_t)
@@ -257,7 +267,7 @@ class _WallFacer(torch.autograd.Function):
                 w.wait()
             nxt = bufs[i % 2] if i + 1 < G else None
             works = g.ring_shift([cur], [nxt], tag=0) if nxt is not None else []
-            _attend(run, g.my_team, qb, cur, lay.kv_team(me, i), o, lse)
+            _attend(run, g.my_team, qb, cur, lay.kv_team(me, i), o, lse, first=i == 0 and covered)
             cur = nxt if nxt is not None else cur
         # Phase 3: combine the C partial results: lse_f = logsumexp over the team, O_c·e^(lse_c − lse_f),
         # reduce-scatter.

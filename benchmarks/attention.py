@@ -11,16 +11,18 @@ Rows per world of P gloo ranks (one thread each), N = P × --seq-per-rank tokens
     ring (C=1)       the same code with C = 1: zigzag ring attention, as ring-flash-attention runs it
     U=u C=c          Ulysses x WallFacer (ulysses_size=u): head all-to-all inside groups of u ranks,
                      WallFacer with team size c over the P/u groups; every valid (u, c) with u > 1
-                     (u = P is Ulysses alone, in the same code)
+                     (u = P is Ulysses alone, in the same code; "contig" runs it on contiguous
+                     rows, as DeepSpeed-Ulysses, where its all-to-all needs no reordering)
     ulysses          deepspeed.sequence.layer.DistributedAttention (DeepSpeed-Ulysses: all-to-all to
                      head shards, local causal SDPA, all-to-all back; contiguous rows)
     compute only     the hardware limit: ring attention's code with every message dropped, so each
                      rank makes the same kernel calls on its own K/V and communicates nothing (its
                      output is not attention, so it has no error column)
 
-Each row: median over rounds (rows interleaved within a round) of the slowest rank's time, and of the
-CPU time a rank's process spends (all its threads, mean over ranks: the work, which other users of
-a shared machine do not change as much as they change the wall time); the error
+Each row: median over rounds (rows interleaved within a round, each round starting one row later) of
+the slowest rank's time, and of the CPU time a rank's process spends (all its threads, mean over
+ranks: the work, which other users of a shared machine do not change as much as they change the
+wall time); the error
 against full attention on the same rows; bytes each rank sends per forward / backward from the ledger
 (DeepSpeed's all-to-alls through commweave.comm.trace_torch_distributed), mean over ranks; peak live
 tensor memory per rank during one step (see below), max over ranks. Then the memory table, the
@@ -132,6 +134,9 @@ def _methods(world: int, me: int, head_dim: int, heads: int):
     for u, c in hybrids(world, heads):
         methods[f"U={u} C={c}"] = ("zigzag", lambda q, k, v, u=u, c=c: wallfacer_attention(
             q, k, v, group, c, ulysses_size=u, check=False))
+    if not ulysses_error(world, world, heads, heads):  # Ulysses alone, on the rows DeepSpeed's gets
+        methods[f"U={world} C=1 contig"] = ("contiguous", lambda q, k, v: wallfacer_attention(
+            q, k, v, group, 1, layout="contiguous", ulysses_size=world, check=False))
     methods["ulysses"] = ("contiguous", lambda q, k, v: ulysses(q, k, v, 1))
     methods["compute only"] = ("zigzag", _compute_only(world, me, head_dim))
     return methods
@@ -184,8 +189,9 @@ def _measure(s: int, b: int, h: int, d: int, rounds: int):
         out[name] = {"err": err, "fwd": {kind: fwd.sent(kind) for kind in KINDS},
                      "bwd": {kind: bwd.sent(kind) for kind in KINDS}, "peak": _peak_bytes(step),
                      "step": step, "times": [], "cpu": []}
-    for _ in range(rounds):
-        for r in out.values():
+    names = list(out)
+    for i in range(rounds):  # rows interleaved, each round starting one row later (no order bias)
+        for r in (out[n] for n in names[i % len(names):] + names[:i % len(names)]):
             dist.barrier()
             t, c = time.perf_counter(), time.process_time()
             r["step"]()
@@ -358,7 +364,7 @@ def _hybrid_summary(rows: dict, world: int) -> dict:
     hybrid is faster."""
     alone = rows[_fastest(rows, [n for n in rows if n.startswith(("wallfacer", "ring"))])]["ms"]
     hybrid = [n for n in rows if n.startswith("U=")]
-    genuine = [n for n in hybrid if n != f"U={world} C=1"]
+    genuine = [n for n in hybrid if not n.startswith(f"U={world} ")]
     out = {}
     for key, names in (("best_hybrid", hybrid), ("best_hybrid_1<U<P", genuine)):
         best = _fastest(rows, names)

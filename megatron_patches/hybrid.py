@@ -138,17 +138,24 @@ class _Shape:
         self.kv_index = torch.tensor([i for m in range(self.u) for i in kv_heads_of(m, self.g, self.u)],
                                      device=q.device)
         self.order = sorted_members(layout, self.u)
+        self.identity = self.order == [(m, h) for m in range(self.u) for h in (0, 1)]
         self.kv_all = self.kv_index.tolist() == list(range(self.g))  # no head replicated: no selection
 
-    def sort_rows(self, recv: torch.Tensor, out: torch.Tensor, heads: slice) -> torch.Tensor:
-        """recv [U, s, b, ·, d] (member-major) → ``out`` [U·s, b, n, d], chunks ascending, heads sliced."""
-        half = self.s // 2
+    def sort_rows(self, recv: torch.Tensor) -> torch.Tensor:
+        """recv [U, s, b, ·, d] (member-major) → [U·s, b, ·, d], chunks ascending (a view when the
+        members' rows already ascend: the contiguous layout)."""
+        if self.identity:
+            return recv.view(self.u * self.s, *recv.shape[2:])
+        half, out = self.s // 2, recv.new_empty(self.u * self.s, *recv.shape[2:])
         for i, (m, h) in enumerate(self.order):
-            out[i * half:(i + 1) * half].copy_(recv[m, h * half:(h + 1) * half, :, heads])
+            out[i * half:(i + 1) * half].copy_(recv[m, h * half:(h + 1) * half])
         return out
 
     def unsort_rows(self, x: torch.Tensor, send: torch.Tensor, heads: slice) -> torch.Tensor:
-        """The inverse: x [U·s, b, n, d] (chunks ascending) → ``send`` [U, s, b, ·, d], member-major."""
+        """The inverse: x [U·s, b, n, d] (chunks ascending) → heads ``heads`` of ``send`` [U, s, b, ·, d]."""
+        if self.identity:
+            send[:, :, :, heads].copy_(x.view(self.u, self.s, *x.shape[1:]))
+            return send
         half = self.s // 2
         for i, (m, h) in enumerate(self.order):
             send[m, h * half:(h + 1) * half, :, heads].copy_(x[i * half:(i + 1) * half])
@@ -177,11 +184,9 @@ class _ToHeads(torch.autograd.Function):
         for j, t in enumerate((k, v)):
             heads = t if sh.kv_all else t.index_select(2, sh.kv_index)
             send[..., n + j * n_kv:n + (j + 1) * n_kv, :].copy_(_by_member(heads, u))
-        recv = sh.exchange(send)
+        rows = sh.sort_rows(sh.exchange(send))  # [U·s, b, n + 2n', d]; q', k', v' are views of it
         ctx.sh = sh
-        return tuple(sh.sort_rows(recv, q.new_empty(u * sh.s, sh.b, w, sh.d), heads)
-                     for w, heads in ((n, slice(0, n)), (n_kv, slice(n, n + n_kv)),
-                                      (n_kv, slice(n + n_kv, n + 2 * n_kv))))
+        return rows[:, :, :n], rows[:, :, n:n + n_kv], rows[:, :, n + n_kv:]
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
@@ -207,14 +212,16 @@ class _ToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sh: _Shape, o):
         ctx.sh = sh
-        send = sh.unsort_rows(o, o.new_empty(sh.u, sh.s, sh.b, sh.n, sh.d), slice(None))
+        if sh.identity:
+            send = o.reshape(sh.u, sh.s, sh.b, sh.n, sh.d)
+        else:
+            send = sh.unsort_rows(o, o.new_empty(sh.u, sh.s, sh.b, sh.n, sh.d), slice(None))
         return sh.exchange(send).permute(1, 2, 0, 3, 4).reshape(sh.s, sh.b, sh.h, sh.d)
 
     @staticmethod
     def backward(ctx, do):
         sh = ctx.sh
-        recv = sh.exchange(_by_member(do, sh.u).contiguous())
-        return None, sh.sort_rows(recv, do.new_empty(sh.u * sh.s, sh.b, sh.n, sh.d), slice(None))
+        return None, sh.sort_rows(sh.exchange(_by_member(do, sh.u).contiguous()))
 
 
 def ulysses_wallfacer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ulysses_size: int,

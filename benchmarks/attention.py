@@ -65,7 +65,7 @@ from megatron_patches.block import select_kernel
 from megatron_patches.groups import WallFacerGroups
 from megatron_patches.hybrid import ulysses_error
 from megatron_patches.layout import Layout, rank_chunks, valid_team_sizes
-from megatron_patches.placement import ORDERS, Topology, estimate, nodes_of
+from megatron_patches.placement import ETHERNET, ORDERS, Topology, estimate, nodes_of
 from megatron_patches.volume import Shard
 from megatron_patches.wallfacer import (
     keep_cpu_buffers,
@@ -326,10 +326,12 @@ def p2p_world(world: int) -> dict:
 
 
 CLUSTERS = {
-    # paper Table 1: per-GPU NVLink GB/s one way, node network GB/s, latencies µs, attention TFLOP/s per GPU
-    "64x H100, 8/node, 8x400 Gb/s IB": (64, Topology.from_specs(8, 450, 400, 3, 5, 400,
+    # paper Table 1: per-GPU NVLink GB/s one way, node network GB/s, latencies µs, dense bf16 TFLOP/s per
+    # GPU; the calibration (placement.Calibration) by network, as python -m megatron_patches.estimate does
+    "64x H100, 8/node, 8x400 Gb/s IB": (64, Topology.from_specs(8, 450, 400, 3, 10, 989,
                                                                  rank_nic_gbytes=50)),
-    "32x A100, 16/node, 100 Gb/s Ethernet": (32, Topology.from_specs(16, 300, 12.5, 3, 20, 170)),
+    "32x A100, 16/node, 100 Gb/s Ethernet": (32, Topology.from_specs(16, 300, 12.5, 3, 25, 312,
+                                                                      calib=ETHERNET)),
 }
 
 

@@ -130,7 +130,8 @@ run_bench() {
 run_gpu() {
     say "commweave GPU check on $(uname -n), $(date -u +%FT%TZ), OUT=$out"
     step gpu 60 gpu_info || { skip wheels "no usable GPU"; skip build "no usable GPU"; skip tests "no usable GPU"
-                              skip bench "no usable GPU"; return; }
+                              skip bench "no usable GPU"; skip wallfacer_blocks "no usable GPU"; return; }
+    step wallfacer_blocks 180 wallfacer_blocks
     local have_wheels=1
     if compgen -G ".whl/*.whl" > /dev/null; then
         step wheels 180 install_wheels || have_wheels=0
@@ -229,7 +230,23 @@ run_dry() {
     step wheels 300 check_wheels
     step tests 300 collect_cuda_tests
     step bench 300 tiny_bench
+    step wallfacer_blocks 300 wallfacer_blocks_dry
 }
+
+# --- WallFacer block kernels (issue 10, item 7) ------------------------------------------------------
+# wallfacer_blocks: benchmarks/block_check.py on the GPU: WallFacer's block kernels (sdpa, flash-attn
+# when it imports, the reference) forward + backward on strided inputs and a strided lse, against the fp64
+# reference; needs only torch (no wheels, no build). Its CPU twin runs in tests/benchmarks/test_block_check.py;
+# the dry run runs it on a CPU.
+wallfacer_blocks() {
+    "$python" -m benchmarks.block_check --device cuda 2>&1 | tee "$out/wallfacer_blocks.txt"
+    return "${PIPESTATUS[0]}"
+}
+
+wallfacer_blocks_dry() {
+    "$python" -m benchmarks.block_check --device cpu
+}
+# --- end of the WallFacer block ----------------------------------------------------------------------------
 
 case "${1:-}" in
     --step)  # internal: one step's function, run by step() under its time limit

@@ -8,11 +8,20 @@ reports its wire bytes to the open ledgers (:mod:`commweave.ledger`). Point-to-p
 Tensors are sent as they are: the caller makes them contiguous where layout matters; the functions
 here make flat views so gloo accepts N-d buffers (design/traps.md: gloo rejects an N-d input with a
 flat output in all-gather).
+
+Every wait is bounded. A collective or point-to-point transfer that does not complete within
+:func:`timeout_s` seconds of the wait (``COMMWEAVE_TIMEOUT_S``, default 300, or :func:`set_timeout`)
+raises :class:`CommTimeout` naming the operation, the group and, for point-to-point, the peer: a
+frozen peer (SIGSTOP, a stuck device) becomes an error instead of a wait for the process group's
+timeout (30 minutes by default). A peer that died (connection reset) raises :class:`CommError` at
+once. The bound holds whatever timeout the process group was created with, because every operation is
+issued asynchronously here and waited on with the bound.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +47,85 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
         "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT}
 
 _names: dict[int, tuple[object, str]] = {}
+
+DEFAULT_TIMEOUT_S = 300.0
+_TIMEOUT_ENV = "COMMWEAVE_TIMEOUT_S"
+_timeout_override: float | None = None
+
+
+class CommError(RuntimeError):
+    """A collective or transfer failed: a peer died or the connection broke."""
+
+
+class CommTimeout(CommError, TimeoutError):
+    """A collective or transfer did not complete within :func:`timeout_s`."""
+
+
+def _positive_seconds(value, source: str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{source}={value!r}: the communication timeout must be a finite number of "
+                         "seconds > 0")
+    return seconds
+
+
+def set_timeout(seconds: float | None) -> None:
+    """Set the bound on every wait in this process (``None``: back to ``COMMWEAVE_TIMEOUT_S``).
+
+    Config keys that carry a timeout (the ``"parm"`` section, the launcher) call this once at set-up.
+    """
+    global _timeout_override
+    _timeout_override = None if seconds is None else _positive_seconds(seconds, "timeout")
+
+
+def timeout_s() -> float:
+    """The bound on every wait, in seconds: :func:`set_timeout`, else ``COMMWEAVE_TIMEOUT_S``, else 300."""
+    if _timeout_override is not None:
+        return _timeout_override
+    env = os.environ.get(_TIMEOUT_ENV)
+    return DEFAULT_TIMEOUT_S if env is None else _positive_seconds(env, _TIMEOUT_ENV)
+
+
+class Handle:
+    """A pending operation; ``wait()`` completes it within :func:`timeout_s` or raises naming it.
+
+    ``what`` names the operation ("all_to_all", "recv", ...), ``where`` the group and, for
+    point-to-point, the peer.
+    """
+
+    __slots__ = ("_finish", "_works", "what", "where")
+
+    def __init__(self, works, what: str, where: str, finish=None) -> None:
+        self._works, self._finish = list(works), finish
+        self.what, self.where = what, where
+
+    def wait(self) -> bool:
+        seconds = timeout_s()
+        for w in self._works:
+            try:
+                if isinstance(w, Handle):
+                    w.wait()
+                else:
+                    w.wait(timedelta(seconds=seconds))
+            except CommError:
+                raise
+            except RuntimeError as e:
+                timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
+                kind = CommTimeout if timed_out else CommError
+                reason = (f"did not complete within {_TIMEOUT_ENV}={seconds:g} s: a peer is frozen, dead, "
+                          "or not calling the same operation") if timed_out else f"failed: {e}"
+                raise kind(f"commweave: {self.what} on {self.where} {reason}") from e
+        self._works = []
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._finish is None and all(w.is_completed() for w in self._works)
 
 
 def _check_group(group) -> None:
@@ -120,10 +208,11 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group,
         self_in = input_splits[me] * row_in
     self_out = _nbytes(output) // g if output_splits is None else output_splits[me] * row_out
     ledger.record("all_to_all", group_name(group), _nbytes(input) - self_in, _nbytes(output) - self_out)
-    return _all_to_all_single(output, input.contiguous(),
+    work = _all_to_all_single(output, input.contiguous(),
                               output_split_sizes=None if output_splits is None else list(output_splits),
                               input_split_sizes=None if input_splits is None else list(input_splits),
-                              group=group, async_op=async_op)
+                              group=group, async_op=True)
+    return _done(Handle([work], "all_to_all", _where(group)), async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
@@ -137,7 +226,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool 
     ledger.record("all_gather", group_name(group), n, n)
     if _pairwise(group):
         return _done(_pairwise_all_gather(_flat(output), input.contiguous().view(-1), group), async_op)
-    return _all_gather(_flat(output), input.contiguous().view(-1), group=group, async_op=async_op)
+    work = _all_gather(_flat(output), input.contiguous().view(-1), group=group, async_op=True)
+    return _done(Handle([work], "all_gather", _where(group)), async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, op: str = "sum",
@@ -152,29 +242,18 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, op: str = "
     ledger.record("reduce_scatter", group_name(group), n, n)
     if op == "sum" and _pairwise(group):
         return _done(_pairwise_reduce_scatter(_flat(output), input.contiguous().view(-1), group), async_op)
-    return _reduce_scatter(_flat(output), input.contiguous().view(-1), op=_OPS[op], group=group,
-                           async_op=async_op)
+    work = _reduce_scatter(_flat(output), input.contiguous().view(-1), op=_OPS[op], group=group,
+                           async_op=True)
+    return _done(Handle([work], "reduce_scatter", _where(group)), async_op)
 
 
-class _Pending:
-    """The Work handle of a collective built from point-to-point exchanges; ``wait`` completes it."""
-
-    def __init__(self, works, finish=None) -> None:
-        self._works, self._finish = works, finish
-
-    def wait(self, timeout=None) -> bool:
-        for w in self._works:
-            w.wait()
-        if self._finish is not None:
-            self._finish()
-            self._finish = None
-        return True
-
-    def is_completed(self) -> bool:
-        return self._finish is None and all(w.is_completed() for w in self._works)
+def _where(group, peer: int | None = None) -> str:
+    """"group pair" or "group ranks(0,1) with peer rank 3" (the peer as a global rank)."""
+    label = f"group {group_name(group)}"
+    return label if peer is None else f"{label} with peer rank {global_rank(group, peer)}"
 
 
-def _done(work: _Pending, async_op: bool):
+def _done(work: Handle, async_op: bool):
     if async_op:
         return work
     work.wait()
@@ -199,14 +278,15 @@ def _exchange(group, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tens
     return _batch_isend_irecv(ops)
 
 
-def _pairwise_all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> _Pending:
+def _pairwise_all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> Handle:
     g, me = size(group), rank(group)
     blocks = out.view(g, -1)
     blocks[me].copy_(inp)
-    return _Pending(_exchange(group, dict.fromkeys(range(g), inp), {q: blocks[q] for q in range(g)}))
+    works = _exchange(group, dict.fromkeys(range(g), inp), {q: blocks[q] for q in range(g)})
+    return Handle(works, "all_gather", _where(group))
 
 
-def _pairwise_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> _Pending:
+def _pairwise_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> Handle:
     g, me = size(group), rank(group)
     blocks = inp.view(g, -1)
     received = inp.new_empty((g, out.numel()))
@@ -216,7 +296,7 @@ def _pairwise_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> _Pe
         torch.sum(received, dim=0, out=out)  # the g partial sums, added in rank order
 
     works = _exchange(group, {q: blocks[q] for q in range(g)}, {q: received[q] for q in range(g)})
-    return _Pending(works, finish)
+    return Handle(works, "reduce_scatter", _where(group), finish)
 
 
 def all_reduce(tensor: torch.Tensor, group, op: str = "sum", async_op: bool = False):
@@ -224,7 +304,8 @@ def all_reduce(tensor: torch.Tensor, group, op: str = "sum", async_op: bool = Fa
     g = size(group)
     n = 2 * _nbytes(tensor) * (g - 1) // g
     ledger.record("all_reduce", group_name(group), n, n)
-    return _all_reduce(tensor, op=_OPS[op], group=group, async_op=async_op)
+    work = _all_reduce(tensor, op=_OPS[op], group=group, async_op=True)
+    return _done(Handle([work], "all_reduce", _where(group)), async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group, async_op: bool = False):
@@ -233,21 +314,24 @@ def broadcast(tensor: torch.Tensor, src: int, group, async_op: bool = False):
     g, me = size(group), rank(group)
     sent = _nbytes(tensor) * (g - 1) if me == src else 0
     ledger.record("broadcast", group_name(group), sent, 0 if me == src else _nbytes(tensor))
-    return _broadcast(tensor, src=global_rank(group, src), group=group, async_op=async_op)
+    work = _broadcast(tensor, src=global_rank(group, src), group=group, async_op=True)
+    return _done(Handle([work], "broadcast", _where(group, src)), async_op)
 
 
 def isend(tensor: torch.Tensor, peer: int, group, tag: int = 0):
     """Asynchronous send to ``peer``, a rank inside ``group``; returns the Work handle."""
     _check_group(group)
     ledger.record("send", group_name(group), _nbytes(tensor), 0)
-    return _isend(tensor, dst=global_rank(group, peer), group=group, tag=tag)
+    return Handle([_isend(tensor, dst=global_rank(group, peer), group=group, tag=tag)], "send",
+                  _where(group, peer))
 
 
 def irecv(tensor: torch.Tensor, peer: int, group, tag: int = 0):
     """Asynchronous receive from ``peer``, a rank inside ``group``; returns the Work handle."""
     _check_group(group)
     ledger.record("recv", group_name(group), 0, _nbytes(tensor))
-    return _irecv(tensor, src=global_rank(group, peer), group=group, tag=tag)
+    return Handle([_irecv(tensor, src=global_rank(group, peer), group=group, tag=tag)], "recv",
+                  _where(group, peer))
 
 
 def send(tensor: torch.Tensor, peer: int, group, tag: int = 0) -> None:
@@ -272,11 +356,11 @@ class P2P:
 def batch_p2p(ops: Sequence[P2P]) -> list:
     """Post a set of sends and receives together (NCCL groups them; gloo posts them in order).
 
-    Returns the Work handles; wait on all of them before reading the received buffers.
+    Returns one :class:`Handle` per op; wait on all of them before reading the received buffers.
     """
     if not ops:
         return []
-    p2p = []
+    p2p, handles = [], []
     for o in ops:
         _check_group(o.group)
         if o.op not in ("send", "recv"):
@@ -285,13 +369,36 @@ def batch_p2p(ops: Sequence[P2P]) -> list:
         ledger.record(o.op, group_name(o.group), n if o.op == "send" else 0, n if o.op == "recv" else 0)
         p2p.append(dist.P2POp(_isend if o.op == "send" else _irecv, o.tensor,
                               global_rank(o.group, o.peer), o.group, o.tag))
-    return _batch_isend_irecv(p2p)
+        handles.append((o.op, _where(o.group, o.peer)))
+    works = _batch_isend_irecv(p2p)
+    if len(works) != len(handles):  # NCCL returns one work for the whole batch
+        return [Handle(works, "batched send/recv", "; ".join(w for _, w in handles))]
+    return [Handle([w], op, where) for w, (op, where) in zip(works, handles, strict=True)]
 
 
 def wait_all(works) -> None:
+    """Wait on each handle (ours, or a foreign ``Work``) within :func:`timeout_s`."""
     for w in works:
         if w is not None:
-            w.wait()
+            (w if isinstance(w, Handle) else Handle([w], "operation", "a foreign work handle")).wait()
+
+
+def check_agree(group, what: str, **values: int) -> None:
+    """Raise on every rank of ``group`` unless every rank passed the same integer ``values``.
+
+    Sizes that a later collective depends on (shapes, team sizes, schedule ids) are checked here first,
+    so a disagreement is a ``ValueError`` naming each value per rank instead of a hang or a mismatched
+    transfer. One all-gather of ``len(values)`` int64 per rank.
+    """
+    names = list(values)
+    mine = torch.tensor([int(values[n]) for n in names], dtype=torch.int64)
+    every = torch.empty(size(group), len(names), dtype=torch.int64)
+    all_gather(every, mine, group)
+    bad = [n for i, n in enumerate(names) if (every[:, i] != every[0, i]).any()]
+    if bad:
+        table = "; ".join(f"{n}: " + ", ".join(f"rank {global_rank(group, r)}={int(every[r, names.index(n)])}"
+                                                for r in range(size(group))) for n in bad)
+        raise ValueError(f"{what}: the ranks of {_where(group)} must agree on {', '.join(bad)}, got {table}")
 
 
 @contextmanager

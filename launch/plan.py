@@ -300,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wan-connections", type=int, default=8, help="TCP connections per WAN pair")
     ap.add_argument("--sharing", choices=("temporal", "spatial"), default="temporal")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("--bubbletea", action="store_true", help="add the utilisation with BubbleTea's prefill")
     args = ap.parse_args(argv)
     try:
         topo = topology_mod.load(args.topology)
@@ -309,6 +310,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(plan.to_json() if args.json else render(plan, topo, model))
+    if args.bubbletea:
+        from launch.bubbletea.simulate import for_plan, render_line
+
+        bt = for_plan(topo, model, plan)
+        if not args.json:
+            print(render_line(bt))
+        print(json.dumps({"iteration_s": bt.iteration, "utilisation": bt.utilisation_training,
+                          "utilisation_bubbletea": bt.utilisation}))
     return 0
 
 

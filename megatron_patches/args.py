@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from megatron_patches.block import KERNELS
 from megatron_patches.hybrid import ulysses_error
 from megatron_patches.layout import team_size_error
-from megatron_patches.placement import PLACEMENTS, Topology
+from megatron_patches.placement import NETWORKS, PLACEMENTS, Topology
 from megatron_patches.wallfacer import BACKWARDS, TEAM_QKV
 
 CP_COMM_TYPES = (None, "p2p", "wallfacer")
@@ -55,8 +55,10 @@ class WallFacerConfig:
     for "auto" (default: H100 nodes with NVLink and 8x400 Gb/s InfiniBand)."""
     latency_us: tuple[float, float] = (3.0, 10.0)
     """µs of the intra-node link and of the network."""
-    tflops: float = 400.0
-    """Attention TFLOP/s of one rank (for "auto")."""
+    tflops: float = 989.0
+    """Dense bf16 TFLOP/s of one rank (for "auto"; placement.Calibration says what attention gets)."""
+    network: str = "ib"
+    """ib (RDMA: InfiniBand, RoCE) or ethernet (TCP sockets), for "auto" (placement.Calibration)."""
     context_parallel_size: int | None = None
     """P, when known at parse time: the module checks it against its CP group."""
 
@@ -64,7 +66,7 @@ class WallFacerConfig:
         if self.team_size != "auto" and (not isinstance(self.team_size, int) or self.team_size < 1):
             raise ValueError(f"wallfacer team_size={self.team_size!r} must be an int >= 1 or 'auto'")
         for name, allowed in (("placement", PLACEMENTS), ("kernel", KERNELS), ("backward", BACKWARDS),
-                              ("team_qkv", TEAM_QKV)):
+                              ("team_qkv", TEAM_QKV), ("network", tuple(NETWORKS))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"wallfacer {name}={getattr(self, name)!r} is not one of {allowed}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
@@ -96,7 +98,7 @@ class WallFacerConfig:
     def topology(self, world_size: int) -> Topology:
         intra, node, rank = self.bandwidth_gbytes
         return Topology.from_specs(self.node_size(world_size), intra, node, *self.latency_us, self.tflops,
-                                   rank_nic_gbytes=rank)
+                                   rank_nic_gbytes=rank, calib=NETWORKS[self.network])
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WallFacerConfig:
@@ -136,7 +138,7 @@ class WallFacerConfig:
                    team_qkv=args.wallfacer_team_qkv, ulysses_size=args.wallfacer_ulysses_size,
                    ranks_per_node=args.wallfacer_ranks_per_node,
                    bandwidth_gbytes=tuple(args.wallfacer_bandwidth), latency_us=tuple(args.wallfacer_latency),
-                   tflops=args.wallfacer_tflops, context_parallel_size=p)
+                   tflops=args.wallfacer_tflops, network=args.wallfacer_network, context_parallel_size=p)
 
 
 def _team_size(value: str) -> int | str:
@@ -174,5 +176,7 @@ def add_wallfacer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--wallfacer-latency", type=float, nargs=2, default=list(d.latency_us),
                    metavar=("INTRA", "NIC"), help="Latency in µs of the same links, for auto.")
     g.add_argument("--wallfacer-tflops", type=float, default=d.tflops,
-                   help="Attention TFLOP/s per GPU, for auto.")
+                   help="Dense bf16 TFLOP/s per GPU, for auto.")
+    g.add_argument("--wallfacer-network", choices=tuple(NETWORKS), default=d.network,
+                   help="ib (RDMA) or ethernet (TCP sockets), for auto.")
     return parser

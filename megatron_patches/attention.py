@@ -26,7 +26,6 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from commweave import comm
 from megatron_patches.args import CP_COMM_TYPES, WallFacerConfig
@@ -38,6 +37,17 @@ from megatron_patches.volume import Shard
 from megatron_patches.wallfacer import resolve_team_qkv, wallfacer_attention
 
 _MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
+
+
+def megatron_softmax_scale(config, softmax_scale: float | None) -> float:
+    """The scale Megatron's attention applies to q·kᵀ: ``softmax_scale``, else 1/√kv_channels.
+
+    DotProductAttention (megatron-core 0.16.1) with ``apply_query_key_layer_scaling`` divides the
+    scores by layer_number in the matmul and FusedScaleMaskSoftmax multiplies them back (its
+    ``scale=coeff``) before the fp32 softmax: an fp16 range trick that leaves the product unchanged.
+    WallFacer's fp32 online softmax needs neither half of it.
+    """
+    return 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else float(softmax_scale)
 
 
 def _megatron_lm_config() -> WallFacerConfig:
@@ -92,10 +102,8 @@ class WallFacerAttention(MegatronModule):
         if self.wallfacer.team_size != "auto" and team_size_error(world // u, self.wallfacer.team_size):
             raise ValueError(f"WallFacerAttention: {team_size_error(world // u, self.wallfacer.team_size)}")
         self.recomputed = config.recompute_granularity == "full"
-        head_dim = config.kv_channels
-        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
-        if config.apply_query_key_layer_scaling:
-            self.softmax_scale /= self.layer_number
+        self.softmax_scale = megatron_softmax_scale(config, softmax_scale)
+        self.deterministic = bool(config.deterministic_mode)
         self._layouts: dict[tuple, object] = {}
 
     def _layout(self, query, key):
@@ -139,17 +147,33 @@ class WallFacerAttention(MegatronModule):
                                   kernel=self.wallfacer.kernel, backward=self.wallfacer.backward,
                                   team_qkv=resolve_team_qkv(self.wallfacer.team_qkv, lay.team_size,
                                                             self.recomputed),
-                                  ulysses_size=self.wallfacer.ulysses, check=first)
+                                  ulysses_size=self.wallfacer.ulysses, check=first,
+                                  deterministic=self.deterministic)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
 
-def with_wallfacer(spec, wallfacer: WallFacerConfig | None = None):
-    """A copy of a GPT layer spec (or a block spec's layers) with WallFacerAttention as core attention."""
-    spec = copy.deepcopy(spec)
-    layers = spec.layer_specs if isinstance(spec, TransformerBlockSubmodules) else [spec]
-    core = ModuleSpec(module=WallFacerAttention, params={} if wallfacer is None else {"wallfacer": wallfacer})
+def _layer_specs(spec) -> list:
+    """The TransformerLayer specs inside a layer, block or multi-token-prediction block spec."""
+    layers = list(getattr(spec, "layer_specs", None) or []) if not isinstance(spec, ModuleSpec) else [spec]
+    out = []
     for layer in layers:
-        attn = layer.submodules.self_attention
+        inner = getattr(getattr(layer, "submodules", None), "transformer_layer", None)
+        out.append(inner if inner is not None else layer)
+    return out
+
+
+def with_wallfacer(spec, wallfacer: WallFacerConfig | None = None):
+    """A copy of a GPT layer spec, block spec or MTP block spec with WallFacerAttention as core attention.
+
+    Every layer whose self-attention has a ``core_attention`` gets it (layers without attention, an
+    IdentityOp, are left alone); multi-latent attention is refused.
+    """
+    spec = copy.deepcopy(spec)
+    core = ModuleSpec(module=WallFacerAttention, params={} if wallfacer is None else {"wallfacer": wallfacer})
+    for layer in _layer_specs(spec):
+        attn = getattr(layer.submodules, "self_attention", None)
+        if not isinstance(attn, ModuleSpec):
+            continue
         if not hasattr(attn.submodules, "core_attention") or hasattr(attn.submodules, "linear_q_down_proj"):
             raise ValueError(f"{attn.module.__name__}: WallFacer replaces SelfAttention's core attention; "
                              f"multi-latent attention is not supported")
@@ -161,14 +185,11 @@ def get_gpt_layer_wallfacer_spec(wallfacer: WallFacerConfig | None = None, *, us
                                  **kwargs) -> ModuleSpec:
     """``get_gpt_layer_local_spec(**kwargs)`` (or the TE spec) with WallFacerAttention as core attention.
 
-    ``wallfacer=None`` reads Megatron-LM's ``--wallfacer-*`` arguments when the layers are built.
+    ``wallfacer=None`` reads Megatron-LM's ``--wallfacer-*`` arguments when the layers are built. Under
+    Megatron-LM's own training loop use ``python -m megatron_patches.megatron_lm``, which swaps the
+    core attention of the spec Megatron-LM builds from the run's arguments.
     """
     if kwargs.get("multi_latent_attention"):
         raise ValueError("get_gpt_layer_wallfacer_spec: multi_latent_attention is not supported")
     base = get_gpt_layer_with_transformer_engine_spec if use_te else get_gpt_layer_local_spec
     return with_wallfacer(base(**kwargs), wallfacer)
-
-
-# For Megatron-LM's `--spec megatron_patches.attention wallfacer_layer_spec` (the local modules;
-# settings from the --wallfacer-* arguments).
-wallfacer_layer_spec = get_gpt_layer_wallfacer_spec()

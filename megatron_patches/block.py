@@ -1,8 +1,7 @@
 """One attention block with its log-sum-exp: the compute kernel under WallFacer's ring loop.
 
-Shape legend (all tensors may be strided views): b batch, h query heads, g K/V heads (h % g == 0,
-query head j reads K/V head j // (h/g), Megatron's GQA convention), s query rows, t key rows,
-d head dim.
+Shape legend: b batch, h query heads, g K/V heads (h % g == 0, query head j reads K/V head
+j // (h/g), Megatron's GQA convention), s query rows, t key rows, d head dim.
 
     forward(q_bhsd, k_bgtd, v_bgtd, scale, causal)          -> o_bhsd, lse_bhs
     backward(do_bhsd, q, k, v, o_bhsd, lse_bhs, scale, causal) -> dq_bhsd, dk_bgtd, dv_bgtd
@@ -16,16 +15,40 @@ slice of the global softmax, and with D = rowsum(dO∘O) (FlashAttention-2, Alg.
 
 are exactly this block's contributions to the gradients of the full attention.
 
-Kernels: ``reference`` (explicit matrices in fp32, fp64 for fp64 inputs — the oracle and the
-fallback), ``sdpa`` (ATen's fused attention: the flash kernel for CPU, the memory-efficient kernel
-on CUDA) and ``flash`` (the flash-attn package, CUDA, fp16/bf16). ``select_kernel("auto", ...)``
-picks flash-attn when it imports and fits, else sdpa — except 16-bit inputs on CPU, where ATen's
-flash backward is both slower than the fp32 reference (2.6-2.9x, 256-1024 rows, 8 heads) and less
-accurate (dV error 2.1x that of naive bf16 attention), so auto takes the reference there.
+What a kernel object is given (wallfacer.py): q, k, v, do, o are [b, h, s, d] *views* of Megatron's
+[s, b, h, d] memory, row ranges of it: any strides, the head dim's stride 1; lse is a row range of
+a [b, h, C·s] accumulator (strided, fp32 — fp64 for fp64 inputs). Each kernel brings them into what
+its library requires before calling it (tests/megatron_patches/test_kernel_contract.py checks every
+call of a forward and backward against strict stand-ins of these libraries):
+
+    flash      flash-attn 2.x mha_fwd / mha_bwd: [b, s, h, d] with stride(d) = 1 (a transpose of the
+               view, no copy); fp16/bf16; d a multiple of 8, at most 256; softmax_lse fp32
+               [b, h, s] *contiguous* (mha_bwd reads it by raw pointer, unchecked); dq, dk, dv
+               written in place with stride(d) = 1; causal only on square blocks (flash-attn
+               aligns a causal mask bottom-right). GQA native.
+    sdpa/cuda  ATen's memory-efficient attention: [b, h, s, d] with stride(d) = 1, K/V heads expanded
+               (no GQA), fp16/bf16/fp32; logsumexp fp32 [b, h, ⌈s/32⌉·32] contiguous (the kernel's
+               padding), causal on square blocks (top-left).
+    sdpa/cpu   ATen's flash attention for CPU: any strides (it reads them); lse passed contiguous.
+    reference  explicit matrices in fp32 (fp64 for fp64 inputs): any layout; the oracle and the
+               fallback.
+
+``select_kernel("auto", ...)`` picks flash-attn when it imports and fits, else sdpa — except 16-bit
+inputs on CPU, where ATen's flash backward is both slower than the fp32 reference (2.6-2.9x,
+256-1024 rows, 8 heads) and less accurate (dV error 2.1x that of naive bf16 attention), and fp64 on
+CUDA, which neither fused kernel takes: the reference there.
+
+Determinism (``deterministic=True``, Megatron's ``deterministic_mode``): flash runs flash-attn's
+deterministic backward (``deterministic=True``: dK/dV accumulated in a fixed order); sdpa on CUDA runs
+its backward with torch's deterministic algorithms on (the memory-efficient kernel then uses one key
+split instead of atomic adds across splits); sdpa on CPU and the reference are deterministic anyway
+(ATen's CPU flash backward parallelises over batch x heads only). The forwards are deterministic.
+WallFacer's own sums run in a fixed order (ring order, team reduce-scatter).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import math
@@ -90,31 +113,71 @@ class ReferenceKernel:
         return dq, _fold(dk, groups), _fold(dv, groups)
 
 
+def _lse_for_library(lse: torch.Tensor, rows: int = 0, keep_dtype: bool = False) -> torch.Tensor:
+    """lse as fused kernels read it: fp32 (or its own dtype), contiguous, zero-padded to ``rows`` rows."""
+    lse = lse if keep_dtype else lse.float()
+    pad = rows - lse.shape[-1]
+    return F.pad(lse, (0, pad)) if pad > 0 else lse.contiguous()
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@contextlib.contextmanager
+def _deterministic_algorithms(on: bool):
+    """torch's deterministic-algorithm switch set to ``on`` for the block, then restored."""
+    if not on or (torch.are_deterministic_algorithms_enabled()
+                  and not torch.is_deterministic_algorithms_warn_only_enabled()):
+        yield
+        return
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
 class SdpaKernel:
-    """ATen's fused attention with lse: flash-for-CPU (GQA native) or CUDA memory-efficient."""
+    """ATen's fused attention with lse: flash-for-CPU (GQA native) or CUDA memory-efficient.
+
+    ``ops`` is the namespace of the ATen ops (``torch.ops.aten``); ``cuda`` forces the CUDA path's
+    arguments (default: the tensors' device decides) — both so that a test can hold the CUDA path
+    to its contract on CPU tensors.
+    """
 
     name = "sdpa"
 
+    def __init__(self, deterministic: bool = False, ops=None, cuda: bool | None = None) -> None:
+        self.deterministic, self._ops, self._cuda = deterministic, ops or torch.ops.aten, cuda
+
+    def _on_cuda(self, q: torch.Tensor) -> bool:
+        return q.device.type == "cuda" if self._cuda is None else self._cuda
+
     def forward(self, q, k, v, scale, causal):
-        if q.device.type == "cpu":
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, causal, scale=scale)
+        if not self._on_cuda(q):
+            return self._ops._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         groups = q.shape[1] // k.shape[1]
-        o, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, _expand(k, groups), _expand(v, groups), None, True, 0.0, causal, scale=scale)
+        q, k, v = (_last_dim_contiguous(t) for t in (q, _expand(k, groups), _expand(v, groups)))
+        o, lse, _, _ = self._ops._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                         scale=scale)
         # The CUDA kernel pads lse's row dim to a multiple of 32.
         return o, lse[..., :q.shape[2]]
 
     def backward(self, do, q, k, v, o, lse, scale, causal):
-        if q.device.type == "cpu":
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                do, q, k, v, o, lse, 0.0, causal, scale=scale)
+        if not self._on_cuda(q):
+            return self._ops._scaled_dot_product_flash_attention_for_cpu_backward(
+                do, q, k, v, o, _lse_for_library(lse, keep_dtype=True), 0.0, causal, scale=scale)
         groups = q.shape[1] // k.shape[1]
-        pad = math.ceil(q.shape[2] / 32) * 32 - q.shape[2]
+        do, q, o = (_last_dim_contiguous(t) for t in (do, q, o))
+        k, v = (_last_dim_contiguous(_expand(t, groups)) for t in (k, v))
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            do, q, _expand(k, groups), _expand(v, groups), None, o, F.pad(lse, (0, pad)), seed, seed,
-            0.0, [True, True, True, False], causal, scale=scale)
+        with _deterministic_algorithms(self.deterministic):
+            dq, dk, dv, _ = self._ops._scaled_dot_product_efficient_attention_backward(
+                do, q, k, v, None, o, _lse_for_library(lse, math.ceil(q.shape[2] / 32) * 32), seed, seed,
+                0.0, [True, True, True, False], causal, scale=scale)
         return dq, _fold(dk, groups), _fold(dv, groups)
 
 
@@ -123,21 +186,23 @@ class FlashKernel:
 
     flash-attn's private ``_flash_attn_forward/_backward`` change signature between releases, so
     arguments are passed by name against the installed signature (as ring-flash-attention does).
+    ``interface`` is the module holding them (default ``flash_attn.flash_attn_interface``).
     """
 
     name = "flash"
 
-    def __init__(self) -> None:
-        from flash_attn import flash_attn_interface as fa
-
-        self._fwd, self._bwd = fa._flash_attn_forward, fa._flash_attn_backward
+    def __init__(self, deterministic: bool = False, interface=None) -> None:
+        if interface is None:
+            from flash_attn import flash_attn_interface as interface
+        self.deterministic = deterministic
+        self._fwd, self._bwd = interface._flash_attn_forward, interface._flash_attn_backward
         self._fwd_params = inspect.signature(self._fwd).parameters
         self._bwd_params = inspect.signature(self._bwd).parameters
 
     # Arguments WallFacer never varies, by the names the flash-attn releases have used.
     _FIXED: ClassVar[dict] = {"window_size_left": -1, "window_size_right": -1, "window_size": (-1, -1),
                                "softcap": 0.0, "alibi_slopes": None, "return_softmax": False,
-                               "deterministic": False, "rng_state": None, "dropout_p": 0.0}
+                               "rng_state": None, "dropout_p": 0.0}
 
     def _call(self, fn, params, **given):
         kwargs = {}
@@ -151,17 +216,18 @@ class FlashKernel:
         return fn(**kwargs)
 
     def forward(self, q, k, v, scale, causal):
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q, k, v = (_last_dim_contiguous(t.transpose(1, 2)) for t in (q, k, v))
         out = self._call(self._fwd, self._fwd_params, q=q, k=k, v=v, softmax_scale=scale, causal=causal)
         # flash-attn < 2.6 returns (out, q, k, v, out_padded, lse, S_dmask, rng), later (out, lse, S, rng)
         lse = out[5] if len(out) == 8 else out[1]
         return out[0].transpose(1, 2), lse
 
     def backward(self, do, q, k, v, o, lse, scale, causal):
-        do, q, k, v, o = (t.transpose(1, 2).contiguous() for t in (do, q, k, v, o))
+        do, q, k, v, o = (_last_dim_contiguous(t.transpose(1, 2)) for t in (do, q, k, v, o))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        self._call(self._bwd, self._bwd_params, dout=do, q=q, k=k, v=v, out=o, softmax_lse=lse,
-                   dq=dq, dk=dk, dv=dv, softmax_scale=scale, causal=causal)
+        self._call(self._bwd, self._bwd_params, dout=do, q=q, k=k, v=v, out=o,
+                   softmax_lse=_lse_for_library(lse), dq=dq, dk=dk, dv=dv, softmax_scale=scale,
+                   causal=causal, deterministic=self.deterministic)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
@@ -169,14 +235,28 @@ def have_flash_attn() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def select_kernel(name: str, device: torch.device, dtype: torch.dtype):
-    """The kernel object for ``name`` ("auto" resolves by device, dtype and what is installed)."""
+def flash_fits(head_dim: int | None) -> bool:
+    """flash-attn 2.x takes head dims that are multiples of 8, up to 256 (None: not known yet)."""
+    return head_dim is None or (head_dim % 8 == 0 and head_dim <= 256)
+
+
+def select_kernel(name, device: torch.device, dtype: torch.dtype, deterministic: bool = False,
+                  head_dim: int | None = None):
+    """The kernel object for ``name`` ("auto" resolves by device, dtype, head dim and what is installed).
+
+    ``name`` may also be a kernel object (``forward``/``backward`` as above), used as it is.
+    """
+    if not isinstance(name, str):
+        if not (callable(getattr(name, "forward", None)) and callable(getattr(name, "backward", None))):
+            raise ValueError(f"kernel={name!r} is neither one of {KERNELS} nor a kernel object")
+        return name
     if name not in KERNELS:
         raise ValueError(f"kernel={name!r} is not one of {KERNELS}")
     half = dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
         if device.type == "cuda":
-            name = "flash" if half and have_flash_attn() else "sdpa"
+            flash = half and have_flash_attn() and flash_fits(head_dim)
+            name = "flash" if flash else "reference" if dtype == torch.float64 else "sdpa"
         else:
             name = "sdpa" if device.type == "cpu" and not half else "reference"
     if name == "flash":
@@ -184,9 +264,15 @@ def select_kernel(name: str, device: torch.device, dtype: torch.dtype):
             raise ValueError(f"kernel='flash' needs CUDA fp16/bf16 tensors, got {device.type} {dtype}")
         if not have_flash_attn():
             raise ValueError("kernel='flash' needs the flash-attn package, which is not installed")
-        return FlashKernel()
+        if not flash_fits(head_dim):
+            raise ValueError(f"kernel='flash' needs a head dim that is a multiple of 8 and at most 256, "
+                             f"got {head_dim}")
+        return FlashKernel(deterministic)
     if name == "sdpa":
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"kernel='sdpa' runs on cpu or cuda, got {device.type}")
-        return SdpaKernel()
+        if device.type == "cuda" and dtype == torch.float64:
+            raise ValueError("kernel='sdpa' on CUDA takes fp16, bf16 or fp32 (the memory-efficient kernel), "
+                             "got float64: use kernel='reference'")
+        return SdpaKernel(deterministic)
     return ReferenceKernel()

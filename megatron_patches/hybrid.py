@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from commweave import comm
+from megatron_patches.groups import subgroup
 
 ULYSSES, OUTER = "wallfacer.ulysses", "wallfacer.outer"
 _META = 3  # the int64 per rank of the hybrid's own check: U, C, the layout's index
@@ -94,7 +95,7 @@ def hybrid_groups(cp_group, u: int) -> HybridGroups:
         for name, members in ((ULYSSES, [index * u + m for m in range(u)]),
                               (OUTER, [j * u + member for j in range(world // u)])):
             want = [cp_ranks[r] for r in members]
-            group = comm.new_group(sorted(want), name=name, local_sync=True)
+            group = subgroup(want, name)
             got = [comm.global_rank(group, i) for i in range(len(members))]
             if got != want:  # the all-to-all and WallFacer number ranks in CP order
                 raise RuntimeError(f"{name} group orders its ranks {got}, expected {want}")

@@ -44,7 +44,8 @@ def resolve_team_qkv(team_qkv: str, team_size: int, recomputed: bool = False) ->
 def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, team_size: int,
                         causal: bool = True, softmax_scale: float | None = None, layout: str = "zigzag",
                         *, order=None, kernel: str = "auto", backward: str = "auto",
-                        team_qkv: str = "auto", ulysses_size: int = 1, check: bool = True) -> torch.Tensor:
+                        team_qkv: str = "auto", ulysses_size: int = 1, check: bool = True,
+                        deterministic: bool = False) -> torch.Tensor:
     """Softmax attention of the whole sequence, sharded over ``group``; returns this rank's rows.
 
     Args:
@@ -60,7 +61,7 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
             chunks r and 2P−1−r of 2P) or "contiguous" (chunks 2r, 2r+1). P·s_local must divide
             by 2P.
         order: slot → group rank permutation from placement.py (default: identity).
-        kernel: per-block kernel, one of block.KERNELS.
+        kernel: per-block kernel, one of block.KERNELS (or a kernel object, block.py).
         backward: "kv" (K/V and their gradients circulate), "q" (queries, dO, the row sums
             D = rowsum(dO∘O) and dQ circulate, as in the paper) or "auto" (the one with fewer bytes,
             volume.choose_backward).
@@ -74,6 +75,8 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
             multiple of U or divide it. ``order`` then permutes the P/U groups.
         check: all-gather a few integers of metadata first so that bad or mismatched inputs raise
             the same ValueError on every rank (checks.py; hybrid.check_hybrid for U and C).
+        deterministic: bitwise reproducible gradients (flash-attn's deterministic backward,
+            block.py); Megatron's ``deterministic_mode``.
 
     Returns:
         ``[s_local, b, h, d]`` in q's dtype. Online-softmax state and gradient accumulators are
@@ -92,20 +95,21 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
         def inner(qh, kh, vh, outer):
             return wallfacer_attention(qh, kh, vh, outer, team_size, causal, softmax_scale, layout,
                                        order=order, kernel=kernel, backward=backward, team_qkv=team_qkv,
-                                       check=False)
+                                       check=False, deterministic=deterministic)
 
         return hybrid.ulysses_wallfacer(q, k, v, group, ulysses_size, layout, inner)
     if check:
         check_inputs(q, k, v, group, team_size, causal, softmax_scale, layout)
     scale = default_scale(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    kern = block.select_kernel(kernel, q.device, q.dtype, deterministic, head_dim=q.shape[3])
     if comm.size(group) == 1:  # the whole sequence, in order (either layout): one kernel call each way
-        return _Local.apply(q, k, v, block.select_kernel(kernel, q.device, q.dtype), scale, bool(causal))
+        return _Local.apply(q, k, v, kern, scale, bool(causal))
     lay = Layout(comm.size(group), team_size, tuple(order or ()), layout)
     groups = wallfacer_groups(group, lay)
     sh = Shard(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.element_size(),
                block.acc_dtype(q.dtype).itemsize)
     mode = choose_backward(lay, sh) if backward == "auto" else backward
-    run = _Run(groups, block.select_kernel(kernel, q.device, q.dtype), scale, bool(causal), mode, keep)
+    run = _Run(groups, kern, scale, bool(causal), mode, keep)
     return _WallFacer.apply(q, k, v, run)
 
 

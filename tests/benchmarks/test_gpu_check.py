@@ -24,10 +24,12 @@ def test_dry_run_passes(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["dry_run"] and summary["passed"]
-    assert [s["name"] for s in summary["steps"]] == ["scripts", "tools", "wheels", "tests", "bench"]
+    assert [s["name"] for s in summary["steps"]] == ["scripts", "tools", "wheels", "tests", "bench",
+                                                     "wallfacer_blocks"]
     assert all(s["status"] == "PASS" for s in summary["steps"]), summary["steps"]
     log = (tmp_path / "gpu_check.log").read_text()
     assert "tests collected" in log and '"benchmark": "dispatch"' in log
+    assert '"benchmark": "block_check", "device": "cpu", "passed": true' in log
 
 
 def test_usage_error():

@@ -131,3 +131,79 @@ def test_ledger_nesting_and_kinds():
     assert outer.calls() == 2 and inner.calls() == 1
     with pytest.raises(ValueError, match="'gather' is not one of"):
         Ledger().add("gather", "g", 1, 1)
+
+
+def test_timeout_setting(monkeypatch):
+    monkeypatch.delenv("COMMWEAVE_TIMEOUT_S", raising=False)
+    assert comm.timeout_s() == comm.DEFAULT_TIMEOUT_S
+    monkeypatch.setenv("COMMWEAVE_TIMEOUT_S", "2.5")
+    assert comm.timeout_s() == 2.5
+    for bad in ("0", "-1", "abc", "inf", "nan", ""):
+        monkeypatch.setenv("COMMWEAVE_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match=rf"COMMWEAVE_TIMEOUT_S='{bad}': .* finite number of seconds"):
+            comm.timeout_s()
+    comm.set_timeout(7)
+    try:
+        assert comm.timeout_s() == 7.0  # the setting wins over the (bad) variable
+    finally:
+        comm.set_timeout(None)
+    with pytest.raises(ValueError, match="timeout=0: "):
+        comm.set_timeout(0)
+
+
+def _frozen_peer(op):
+    """Rank 1 does not take part for 3 s (a frozen peer); rank 0's wait is bounded at 1 s.
+
+    gloo closes a pair whose receive timed out, so the test closes this world afterwards.
+    """
+    import time
+
+    me, world = dist.get_rank(), dist.group.WORLD
+    comm.set_timeout(1.0)
+    x = torch.ones(8)
+    try:
+        if me == 1:
+            time.sleep(3.0)
+            return None
+        t0 = time.monotonic()
+        try:
+            if op == "recv":
+                comm.recv(x, 1, world)
+            else:
+                comm.all_reduce(x, world)
+        except comm.CommTimeout as e:
+            return time.monotonic() - t0, str(e)
+        return None
+    finally:
+        comm.set_timeout(None)
+
+
+@pytest.mark.world_size(2, env={"COMMWEAVE_TEST_WORLD": "timeouts"})
+@pytest.mark.parametrize("op, names", [("all_reduce", "all_reduce on group world "),
+                                       ("recv", "recv on group world with peer rank 1 ")])
+def test_a_frozen_peer_is_an_error_within_the_timeout(world, op, names):
+    try:
+        (elapsed, msg), none = world.run(_frozen_peer, op)
+    finally:
+        world.close(force=True)
+    assert none is None
+    assert 1.0 <= elapsed < 2.5, elapsed
+    assert msg.startswith(f"commweave: {names}did not complete within COMMWEAVE_TIMEOUT_S=1 s"), msg
+
+
+def _agree(shift):
+    me, world = dist.get_rank(), dist.group.WORLD
+    comm.check_agree(world, "agreement test", rows=16, team=2)  # agreeing values pass
+    try:
+        comm.check_agree(world, "agreement test", rows=16 + (me == shift), team=2)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.world_size(4)
+def test_disagreeing_sizes_raise_on_every_rank(world):
+    msgs = world.run(_agree, 3)
+    assert len(set(msgs)) == 1, msgs
+    assert msgs[0] == ("agreement test: the ranks of group world must agree on rows, got rows: "
+                       "rank 0=16, rank 1=16, rank 2=16, rank 3=17")

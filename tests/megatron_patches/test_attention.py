@@ -162,6 +162,84 @@ def test_transformer_layer_tp2_cp2_equals_cp1(world):
     _assert_close(world.run(_layer_case, 2, 1))
 
 
+@pytest.mark.world_size(8)
+def test_transformer_layer_tp2_cp4_team_size2_equals_cp1(world):
+    """TP = 2 with C = 2: two CP groups of 4 ranks (strided by TP in global rank), teams of 2 in each."""
+    results = world.run(_layer_case, 2, 2)
+    assert results[0]["wallfacer"] == "WallFacerAttention"
+    _assert_close(results)
+
+
+def _megatron_dot_product_attention(config, layer_number, mask_type, softmax_scale):
+    """megatron-core's own local DotProductAttention, made to run on CPU: its scratch buffer, causal mask
+    and dropout RNG fork ask for CUDA, so those three (and nothing of its arithmetic) are swapped for
+    CPU equivalents while it is built and run. Returns a callable (query, key, value) -> output."""
+    from contextlib import nullcontext
+    from unittest import mock
+
+    from megatron.core import tensor_parallel
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import dot_product_attention as dpa
+
+    class _CpuBuffer:
+        def get_tensor(self, shape, dtype, name):
+            return torch.empty(shape, dtype=dtype)
+
+    class _NoFork:
+        def fork(self):
+            return nullcontext()
+
+    module = dpa.DotProductAttention(config, layer_number, mask_type, "self", softmax_scale=softmax_scale)
+
+    def run(q, k, v):
+        with mock.patch.object(dpa.parallel_state, "get_global_memory_buffer", _CpuBuffer), \
+                mock.patch.object(tensor_parallel, "get_cuda_rng_tracker", _NoFork), \
+                mock.patch.object(fused_softmax, "get_default_causal_mask",
+                                  lambda sq: torch.ones(sq, sq).triu(1).bool()):
+            return module(q, k, v, None)
+
+    return run
+
+
+def _scale_case(seq=16, b=2):
+    """WallFacerAttention (CP = 4, C = 2) against megatron-core's DotProductAttention (CP = 1) for every
+    combination of softmax_scale, apply_query_key_layer_scaling and layer_number, both mask types."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_patches import WallFacerAttention, WallFacerConfig
+
+    cp = dist.get_world_size()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=cp)
+    try:
+        torch.manual_seed(3)
+        q = torch.randn(seq, b, 4, 8, dtype=torch.float64)
+        k, v = (torch.randn(seq, b, 2, 8, dtype=torch.float64) for _ in range(2))
+        rows = _zigzag(seq, ps.get_context_parallel_rank(), cp)
+        errors = {}
+        for scale in (None, 0.3):
+            for layer_scaling in (False, True):
+                for layer in (1, 3):
+                    for mask in (AttnMaskType.causal, AttnMaskType.no_mask):
+                        kw = {"apply_query_key_layer_scaling": layer_scaling, "softmax_scale": scale}
+                        want = _megatron_dot_product_attention(_config(1, **kw), layer, mask, scale)(q, k, v)
+                        ours = WallFacerAttention(_config(cp, **kw), layer, mask, "self", softmax_scale=scale,
+                                                  wallfacer=WallFacerConfig(team_size=2))
+                        got = ours(q[rows], k[rows], v[rows], None)
+                        errors[scale, layer_scaling, layer, mask.name] = (got - want[rows]).abs().max().item()
+        return errors
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.world_size(4)
+def test_softmax_scale_equals_megatron_dot_product_attention(world):
+    for errors in world.run(_scale_case):
+        assert len(errors) == 16
+        bad = {key: e for key, e in errors.items() if e > TOL}
+        assert not bad, f"(softmax_scale, apply_query_key_layer_scaling, layer_number, mask): {bad}"
+
+
 @pytest.mark.world_size(4)
 def test_gpt_model_cp4_equals_cp1(world):
     _assert_close(world.run(_gpt_case, 2))
@@ -226,21 +304,34 @@ def test_refusals_name_the_setting(world):
 
 
 def test_specs_swap_every_layer_and_refuse_mla():
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_mtp_layer_spec_for_backend,
+    )
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlockSubmodules
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from megatron_patches import WallFacerConfig, get_gpt_layer_wallfacer_spec, with_wallfacer
-    from megatron_patches.attention import WallFacerAttention, wallfacer_layer_spec
+    from megatron_patches.attention import WallFacerAttention
 
-    block = TransformerBlockSubmodules(layer_specs=[get_gpt_layer_local_spec(), get_gpt_layer_local_spec()])
-    swapped = with_wallfacer(block, WallFacerConfig(team_size=2))
+    wf = WallFacerConfig(team_size=2)
+    block = TransformerBlockSubmodules(layer_specs=[get_gpt_layer_local_spec(qk_layernorm=True),
+                                                    get_gpt_layer_local_spec(num_experts=4)])
+    swapped = with_wallfacer(block, wf)
     for layer in swapped.layer_specs:
         core = layer.submodules.self_attention.submodules.core_attention
         assert core.module is WallFacerAttention
-        assert core.params == {"wallfacer": WallFacerConfig(team_size=2)}
+        assert core.params == {"wallfacer": wf}
     assert block.layer_specs[0].submodules.self_attention.submodules.core_attention is not core  # a copy
-    # Megatron-LM's --spec takes a module attribute; its settings come from the --wallfacer-* args.
-    assert wallfacer_layer_spec.submodules.self_attention.submodules.core_attention.params == {}
+    # What the run asked for stays: qk-layernorm and the MoE MLP.
+    assert swapped.layer_specs[0].submodules.self_attention.submodules.q_layernorm is not None
+    assert swapped.layer_specs[1].submodules.mlp == block.layer_specs[1].submodules.mlp
+    # Multi-token-prediction layers attend too.
+    mtp = MultiTokenPredictionBlockSubmodules(layer_specs=[
+        get_mtp_layer_spec_for_backend(get_gpt_layer_local_spec(), LocalSpecProvider())])
+    inner = with_wallfacer(mtp, wf).layer_specs[0].submodules.transformer_layer
+    assert inner.submodules.self_attention.submodules.core_attention.module is WallFacerAttention
     with pytest.raises(ValueError, match="multi_latent_attention is not supported"):
         get_gpt_layer_wallfacer_spec(multi_latent_attention=True)
     with pytest.raises(ValueError, match="multi-latent attention is not supported"):

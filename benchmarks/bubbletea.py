@@ -1,0 +1,206 @@
+"""BubbleTea on 4 CPU ranks: training step time with and without prefill in the bubbles, side by side.
+
+    python -m benchmarks.bubbletea [--wan-ms 10] [--pairs 12] [--steady 12] [--hidden 512] ...
+
+A DeepSpeed pipeline (2 stages x 2 data-parallel replicas, gloo, one intra-op thread per rank, the
+training of examples/bubbletea_pipeline.py) with an emulated one-way WAN latency on every pipeline
+transfer (``--wan-ms``: its stages wait on the WAN as across data centers). Each rank keeps
+``--outstanding`` prompts queued for its own copy of a small causal LM.
+
+In one process tree, after ``--warmup`` iterations:
+- ``--pairs`` cycles of three iterations, in rotating order: *stock* (DeepSpeed's own PipelineEngine
+  class, no BubbleTea code on the path), *on* (BubbleTea prefilling), *profile* (BubbleTea's tracing
+  without prefill: what the windows are measured from). The slowdown is the median over cycles of
+  on / stock step time (rank 0's ``train_batch`` wall time; every rank's is within the noise of it);
+- ``--steady`` iterations (or more, up to 10x, until every rank finished 3 prompts submitted in this
+  phase) with BubbleTea on: time to first token of the prompts submitted and finished there.
+
+Utilisation per rank is (training compute + prefill) / wall time of the iteration, union of spans;
+training compute counts every instruction but the pipeline waits (sends, receives, the loss broadcast).
+Prints a table and ends with one JSON line of ratios. The machine's load average is printed too:
+figures taken on a busy 2-core machine are not worth much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+from commweave.world import World
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _renice_threads(nice: int) -> None:
+    """Every thread of this rank (the training thread, gloo's and DeepSpeed's) to ``nice``."""
+    for tid in os.listdir("/proc/self/task"):
+        os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+
+
+def bench_rank(cfg: dict) -> dict:
+    """One rank's part: build, warm up, run the cycles and the steady phase, return its measurements."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from commweave import comm
+    from examples.bubbletea_pipeline import ClosedLoop, build_engine, data, emulate_wan_latency
+    from launch.bubbletea import LMConfig, PrefillServer
+    from launch.bubbletea.engine import BubbleTeaPipelineEngine, enable
+
+    engine = build_engine(cfg["hidden"], cfg["layers"], cfg["micro_batches"], cfg["batch"])
+    wan = emulate_wan_latency(cfg["wan_ms"] / 1e3)
+    lm = LMConfig(hidden=cfg["lm_hidden"], layers=cfg["lm_layers"], max_seq=cfg["prompt"])
+    server = PrefillServer(lm, cfg["chunk"], callback=lambda r: loop(r), guard=cfg["guard_ms"] / 1e3,
+                           nice=cfg["prefill_nice"], idle=cfg["prefill_idle"])
+    loop = ClosedLoop(server, cfg["outstanding"], cfg["prompt"], first_id=dist.get_rank() * 10**6)
+    if cfg["nice"]:
+        _renice_threads(cfg["nice"])
+    bt = enable(engine, server, warmup=0, reprofile_every=0, history=cfg["history"])
+    step = 0
+
+    def run(arm: str) -> float:
+        nonlocal step
+        engine.__class__ = PipelineEngine if arm == "stock" else BubbleTeaPipelineEngine
+        bt.enabled = arm == "on"
+        batches = data(engine, step, cfg["batch"], cfg["hidden"])
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.train_batch(batches)
+        wall = time.perf_counter() - t0
+        engine.__class__ = BubbleTeaPipelineEngine
+        step += 1
+        return wall
+
+    for _ in range(cfg["warmup"]):
+        run("profile")
+    arms = ("stock", "on", "profile")
+    walls = {a: [] for a in arms}
+    for i in range(cfg["pairs"]):
+        for k in range(3):
+            arm = arms[(i + k) % 3]
+            walls[arm].append(run(arm))
+    # steady: at least --steady iterations, more (up to 10x) until every rank finished 3 prompts
+    # submitted in this phase, so that their time to first token is measured
+    t_steady, n, finished = time.perf_counter(), 0, torch.zeros(1)
+    while n < cfg["steady"] or (finished.item() < 3 and n < 10 * cfg["steady"]):
+        walls["on"].append(run("on"))
+        n += 1
+        finished[0] = sum(r.submitted >= t_steady for r in list(loop.results))
+        comm.all_reduce(finished, dist.group.WORLD, op="min")
+    bt.wait_idle()
+    steady_s = time.perf_counter() - t_steady
+    its = bt.iterations
+    on = [it for it in its if it.prefill_on]
+    off = [it for it in its if not it.prefill_on][cfg["warmup"]:]
+    out = {
+        "rank": dist.get_rank(),
+        "stock": walls["stock"], "on": walls["on"][:cfg["pairs"]], "profile": walls["profile"],
+        "util_off": _median([it.utilisation for it in off]),
+        "util_on": _median([it.utilisation for it in on]),
+        "train_busy_on": sum(it.training_busy for it in on),
+        "prefill_busy_on": sum(it.prefill_busy for it in on),
+        "wall_on": sum(it.wall for it in on),
+        "windows": [(w.tag, round(w.length * 1e3, 2)) for w in bt.windows()],
+        "steady_s": steady_s, "steady_iterations": n,
+        "ttft": [r.ttft for r in list(loop.results) if r.submitted >= t_steady],
+        "prefilled": len(loop.results), "tokens": server.stats.tokens, "chunks": server.stats.chunks,
+        "skipped": server.stats.skipped, "closed": server.stats.closed,
+    }
+    out["tokens_per_s"] = server.stats.tokens / max(sum(it.wall for it in on), 1e-9)
+    bt.undo()
+    server.stop()
+    wan.undo()
+    torch.distributed.barrier()
+    return out
+
+
+def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> dict:
+    r0 = ranks[0]
+    ratios = [a / b for a, b in zip(r0["on"], r0["stock"], strict=True)]
+    control = [a / b for a, b in zip(r0["profile"], r0["stock"], strict=True)]   # A/A: the noise floor
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    per_rank_ratio = [_median([a / b for a, b in zip(r["on"], r["stock"], strict=True)]) for r in ranks]
+    stock, on, prof = _median(r0["stock"]), _median(r0["on"]), _median(r0["profile"])
+    util_off = statistics.mean(r["util_off"] for r in ranks)
+    util_on = statistics.mean(r["util_on"] for r in ranks)
+    tok_s = sum(r["tokens_per_s"] for r in ranks)
+    ttft = sorted(t for r in ranks for t in r["ttft"])
+    p90 = ttft[int(0.9 * (len(ttft) - 1))] if ttft else float("nan")
+    print(f"BubbleTea, 4 CPU ranks (2 stages x 2 replicas), emulated WAN {cfg['wan_ms']:g} ms one way; "
+          f"training {cfg['layers']} x Linear({cfg['hidden']}) + Tanh, {cfg['micro_batches']} micro-batches "
+          f"of {cfg['batch']}; prefill LM hidden {cfg['lm_hidden']} x {cfg['lm_layers']} layers, prompts of "
+          f"{cfg['prompt']} tokens in chunks of {cfg['chunk']}, {cfg['outstanding']} queued per rank, "
+          f"guard {cfg['guard_ms']:g} ms; nice: training {cfg['nice']}, prefill {cfg['prefill_nice']}"
+          + (" + SCHED_IDLE" if cfg["prefill_idle"] else ""))
+    print(f"load average before {load_before}, after {load_after}; {cfg['pairs']} cycles "
+          f"(stock / on / profile, rotating), {r0['steady_iterations']} steady iterations")
+    print()
+    print("| | step time (median, s) | GPU utilisation | prefill tokens/s | TTFT median / p90 (s) |")
+    print("|---|---|---|---|---|")
+    print(f"| DeepSpeed (stock engine) | {stock:.4f} | {100 * util_off:.1f}% (traced) | - | - |")
+    print(f"| BubbleTea, tracing only | {prof:.4f} | {100 * util_off:.1f}% | - | - |")
+    print(f"| BubbleTea, prefill on | {on:.4f} | {100 * util_on:.1f}% | {tok_s:.0f} | "
+          f"{_median(ttft):.3f} / {p90:.3f} |")
+    print()
+    print(f"slowdown (median of paired on/stock, rank 0): {100 * (_median(ratios) - 1):+.2f}% "
+          f"(quartiles {100 * (q[0] - 1):+.1f}% .. {100 * (q[2] - 1):+.1f}%); per rank "
+          + ", ".join(f"{100 * (x - 1):+.2f}%" for x in per_rank_ratio))
+    print(f"noise floor (median of paired tracing-only/stock, rank 0): {100 * (_median(control) - 1):+.2f}%")
+    print("per rank: " + "; ".join(
+        f"rank {r['rank']}: prefill {r['prefill_busy_on'] / r['wall_on']:.0%} + training "
+        f"{r['train_busy_on'] / r['wall_on']:.0%} of on-iterations, {r['prefilled']} prompts, "
+        f"{r['chunks']} chunks "
+        f"(planned, not started: {r['skipped']} too long for the rest of their window, {r['closed']} after "
+        f"an early close), windows (instr, ms) {r['windows']}" for r in ranks))
+    summary = {"slowdown": _median(ratios) - 1, "slowdown_per_rank": [x - 1 for x in per_rank_ratio],
+               "tracing_overhead": _median(control) - 1,
+               "step_s_stock": stock, "step_s_bubbletea": on, "step_s_tracing": prof,
+               "utilisation": util_off, "utilisation_bubbletea": util_on, "prefill_tokens_per_s": tok_s,
+               "ttft_median_s": _median(ttft), "ttft_p90_s": p90, "load": [load_before, load_after]}
+    print(json.dumps(summary))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bubbletea", description=__doc__.splitlines()[0])
+    ap.add_argument("--wan-ms", type=float, default=10.0,
+                    help="emulated one-way latency per pipeline transfer")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--lm-hidden", type=int, default=128)
+    ap.add_argument("--lm-layers", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=32)
+    ap.add_argument("--guard-ms", type=float, default=1.0)
+    ap.add_argument("--outstanding", type=int, default=2)
+    ap.add_argument("--history", type=int, default=5)
+    ap.add_argument("--nice", type=int, default=0,
+                    help="nice of the training threads (negative needs root: a stand-in for dedicated hosts "
+                         "on a shared machine)")
+    ap.add_argument("--prefill-nice", type=int, default=19, help="nice of the prefill service")
+    ap.add_argument("--prefill-idle", type=int, choices=(0, 1), default=1,
+                    help="1: the prefill service runs under SCHED_IDLE (default); 0: nice alone")
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--pairs", type=int, default=12)
+    ap.add_argument("--steady", type=int, default=12)
+    args = ap.parse_args(argv)
+    cfg = {k: v for k, v in vars(args).items()}
+    for k in ("pairs", "warmup", "steady", "outstanding", "history"):
+        if cfg[k] < (1 if k in ("pairs", "outstanding", "history") else 0):
+            raise SystemExit(f"--{k.replace('_', '-')}={cfg[k]} is too small")
+    load = " ".join(f"{v:.2f}" for v in os.getloadavg())
+    with World(4, timeout=3600, env={"COMMWEAVE_RANK_THREADS": "1"}) as world:
+        ranks = world.run(bench_rank, cfg)
+    report(cfg, ranks, load, " ".join(f"{v:.2f}" for v in os.getloadavg()))
+
+
+if __name__ == "__main__":
+    main()

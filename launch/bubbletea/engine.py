@@ -1,0 +1,243 @@
+"""BubbleTea on DeepSpeed's pipeline engine: prefill in the bubbles of ``TrainSchedule``.
+
+    engine, *_ = deepspeed.initialize(model=pipeline_module, ...)
+    server = PrefillServer(LMConfig(...), chunk_tokens=64, callback=ship_kv)   # starts the prefill process
+    bt = bubbletea.enable(engine, server)      # engine is now a BubbleTeaPipelineEngine
+    server.submit("req-1", prompt_ids)         # any time, any thread
+    loss = engine.train_batch(data_iter)       # unchanged; prefill runs in its bubbles
+    bt.undo(); server.stop()
+
+**Where the bubbles are on a rank.** DeepSpeed's pipeline p2p is blocking (``dist.send``/``dist.recv``;
+on gloo even a send waits until the peer has posted its receive), so every bubble of a stage — the
+1F1B warm-up and cool-down, the wait on a WAN transfer, the wait on a slower neighbour — is time the
+rank's thread spends blocked inside a SendActivation, RecvActivation, SendGrad or RecvGrad
+instruction, or in the loss broadcast at the end of ``train_batch``. :class:`BubbleTeaPipelineEngine`
+times every instruction of every ``train_batch`` (the real-run timeline, lane = global rank); a wait
+instruction's window is its measured length at its place in the schedule (the lower quartile over the
+last iterations run without prefill, so prefill never feeds back into its own windows).
+
+**How a window is filled.** Each iteration the prefill service packs its queue into the windows
+(earliest fit, guard band). At a wait instruction that is a window, the training thread opens it
+(deadline = now + the window's length: a store to shared memory and one small message) and enters the
+blocking transfer as usual; the prefill process runs the window's chunks meanwhile, starting each only
+if it ends a guard band before the deadline and the window is still open; the transfer's return closes
+the window. Why not prefill in the training thread before it blocks, for the measured bubble: on gloo
+a receive that is not posted holds up the peer's send, so prefill in front of a receive delays the
+other stage by as much as it prefills; posting the transfer first and prefilling beside it keeps the
+peer's timing, and an early arrival closes the window at once. Why a process and not a thread: a
+low-priority thread shares the rank's GIL, and one descheduled while it holds the GIL stalls the
+training thread just when its transfer returns (see :mod:`.service`). The service runs under Linux's
+SCHED_IDLE policy (and nice 19), the CPU's version of a low-priority stream: on an oversubscribed CPU
+(4 ranks on 2 cores here) a training thread that becomes runnable takes the core from any rank's
+prefill at once. Training ops are never moved or
+changed: the engine runs DeepSpeed's own schedule and instructions.
+
+**One model per rank, not one inference stage per training stage.** The paper's design card suggests
+splitting the inference model into a pipeline over the training stages (atlas.md §1.8 step 2). We keep
+a whole small model resident beside every rank instead: (1) a prefill chunk then needs a window on one
+rank only, while a pipelined chunk needs a chain of windows, stage s+1's starting one hop after
+stage s's ends; the 1F1B bubbles of adjacent stages are mostly disjoint in time (stage s+1 idles while
+stage s works), so chains waste most windows; (2) no inference activations cross stage boundaries, and
+so never the WAN; (3) a request's KV cache is complete in one place, ready to hand off. The price is
+memory: a full copy of the weights per GPU, which is why this is for a small model (the simulator's
+default is 1.3B parameters, 2.6 GB in bf16, next to an 80 GB GPU's training state).
+
+Exactness: the prefill runs in another process, on its own copy of the weights, under
+``inference_mode``, with no RNG at all (greedy first token); training's weights, gradients, RNG state
+and instruction sequence are untouched, so training losses are bit-equal with and without BubbleTea
+(the 4-rank test checks it).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from launch.bubbletea.packer import Chunk
+from launch.bubbletea.server import PrefillServer
+from launch.bubbletea.timeline import Op, Window, busy_time
+
+WAITS = frozenset({"SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "AggregateLoss"})
+
+
+@dataclass
+class Iteration:
+    """One ``train_batch`` of one rank: instruction spans relative to its start, and its prefill."""
+
+    wall: float
+    ops: list[Op]
+    prefill: list[tuple[float, float]]
+    prefill_on: bool
+
+    @property
+    def training_busy(self) -> float:
+        return busy_time((op.start, op.end) for op in self.ops if op.kind not in WAITS)
+
+    @property
+    def prefill_busy(self) -> float:
+        return busy_time(self.prefill)
+
+    @property
+    def utilisation(self) -> float:
+        spans = [(op.start, op.end) for op in self.ops if op.kind not in WAITS] + self.prefill
+        return busy_time(spans) / self.wall
+
+
+@dataclass
+class BubbleTea:
+    """The per-rank controller; created by :func:`enable`."""
+
+    engine: PipelineEngine
+    server: PrefillServer
+    history: int = 5                  # prefill-off iterations the windows are estimated from
+    warmup: int = 2                   # first iterations without prefill (to measure the windows)
+    reprofile_every: int = 50         # then one prefill-off iteration in this many
+    min_window: float | None = None   # default: one chunk's predicted time + the guard band
+    enabled: bool = True              # prefill on in the coming iterations (off: trace only)
+    keep: int = 1000                  # the most recent iterations kept in ``iterations``
+    iterations: deque = field(default_factory=deque, init=False)
+    count: int = field(default=0, init=False)  # train_batch calls so far
+    _profile: deque = field(default_factory=deque, init=False)
+    _t0: float | None = field(default=None, init=False)
+    _ops: list = field(default_factory=list, init=False)
+    _windows: dict = field(default_factory=dict, init=False)
+    _on: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.lane = self.engine.global_rank
+        self._profile = deque(maxlen=self.history)
+        self.iterations = deque(maxlen=self.keep)
+
+    # -- per iteration ------------------------------------------------------------------------------
+    def begin_iteration(self) -> None:
+        n = self.count
+        reprofile = self.reprofile_every > 0 and (n - self.warmup + 1) % self.reprofile_every == 0
+        self._on = self.enabled and n >= self.warmup and len(self._profile) > 0 and not reprofile
+        self._windows = {}
+        if self._on:
+            windows = self.windows()
+            self.server.plan(windows)
+            self._windows = {w.tag: w.length for w in windows}
+        self._ops, self._t0 = [], time.perf_counter()
+
+    def end_iteration(self, failed: bool = False) -> None:
+        t1 = time.perf_counter()
+        self.server.close()
+        t0, self._t0 = self._t0, None
+        spans = [(max(a, t0) - t0, b - t0) for a, b in self.server.take_spans(t1) if b > t0]
+        it = Iteration(t1 - t0, self._ops, spans, self._on)
+        self.iterations.append(it)
+        self.count += 1
+        if not self._on and not failed:
+            self._profile.append(it)
+        if not failed:
+            self.server.raise_error()
+
+    @contextmanager
+    def instruction(self, kind: str):
+        """Time one instruction; around a wait instruction with planned chunks, open the window."""
+        if self._t0 is None:                    # eval_batch, or outside train_batch: not traced
+            yield
+            return
+        tag = len(self._ops)
+        length = self._windows.get(tag) if kind in WAITS else None
+        start = time.perf_counter()
+        if length:
+            self.server.open(tag, start + length)
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            if length:
+                self.server.close()
+            self._ops.append(Op(self.lane, kind, start - self._t0, end - self._t0))
+
+    def windows(self) -> list[Window]:
+        """This rank's windows, from the recent prefill-off iterations: for every wait instruction (by
+        its place in the schedule) the median start and the lower-quartile length."""
+        its = [it for it in self._profile if len(it.ops) == len(self._profile[-1].ops)]
+        if not its:
+            return []
+        # the floor uses the calibrated cost: the service packs with its current one (a slow spell that
+        # stopped all prefill must not also hide every window from the service, or it never recovers)
+        smallest = self.server.cost(_smallest_chunk(self.server), calibrated=True) + self.server.guard
+        floor = smallest if self.min_window is None else self.min_window
+        out = []
+        for tag, op in enumerate(its[-1].ops):
+            if op.kind not in WAITS:
+                continue
+            starts = [it.ops[tag].start for it in its]
+            lengths = sorted(it.ops[tag].end - it.ops[tag].start for it in its)
+            length = lengths[(len(lengths) - 1) // 4]
+            if length >= floor:
+                start = statistics.median(starts)
+                out.append(Window(self.lane, start, start + length, tag))
+        return out
+
+    def wait_idle(self, timeout: float = 120.0) -> None:
+        """Wait for a chunk still running after the last window closed (before reading statistics)."""
+        self.server.sync(timeout)
+
+    def undo(self) -> None:
+        """Give the engine back its DeepSpeed class (the server is the caller's: ``server.stop()``)."""
+        if isinstance(self.engine, BubbleTeaPipelineEngine):
+            self.engine.__class__ = PipelineEngine
+        self.engine.__dict__.pop("_bubbletea", None)
+
+
+def _smallest_chunk(server: PrefillServer) -> Chunk:
+    c = min(server.chunk_tokens, server.config.max_seq)
+    return Chunk(None, 0, c, c)
+
+
+def _traced(kind: str, fn):
+    def run(self, **kwargs):
+        with self._bubbletea.instruction(kind):
+            return fn(self, **kwargs)
+    run.__name__ = f"{fn.__name__}_traced"
+    return run
+
+
+class BubbleTeaPipelineEngine(PipelineEngine):
+    """DeepSpeed's PipelineEngine with every instruction timed and the wait instructions opening
+    BubbleTea's windows. Not constructed directly: :func:`enable` turns a built engine into one."""
+
+    _INSTRUCTION_MAP: ClassVar[dict] = {cls: _traced(cls.__name__, fn)
+                                        for cls, fn in PipelineEngine._INSTRUCTION_MAP.items()}
+
+    def train_batch(self, data_iter=None):
+        bt = self._bubbletea
+        bt.begin_iteration()
+        try:
+            loss = super().train_batch(data_iter)
+        except BaseException:
+            bt.end_iteration(failed=True)
+            raise
+        bt.end_iteration()
+        return loss
+
+    def _aggregate_total_loss(self):
+        with self._bubbletea.instruction("AggregateLoss"):
+            return super()._aggregate_total_loss()
+
+
+def enable(engine: PipelineEngine, server: PrefillServer, **options) -> BubbleTea:
+    """Switch BubbleTea on for a DeepSpeed pipeline engine; ``options`` go to :class:`BubbleTea`.
+    Returns the controller (``.undo()``, ``.enabled``, ``.iterations``)."""
+    for name, least in (("history", 1), ("warmup", 0), ("reprofile_every", 0), ("keep", 1)):
+        v = options.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < least):
+            raise ValueError(f"bubbletea.enable: {name}={v!r} must be an integer >= {least}")
+    if type(engine) is not PipelineEngine:
+        raise TypeError(f"bubbletea.enable: engine must be a deepspeed PipelineEngine (what "
+                        f"deepspeed.initialize returns for a PipelineModule), got {type(engine).__name__}")
+    bt = BubbleTea(engine, server, **options)
+    engine._bubbletea = bt
+    engine.__class__ = BubbleTeaPipelineEngine
+    return bt

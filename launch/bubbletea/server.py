@@ -1,0 +1,246 @@
+"""A rank's prefill service, seen from the training process: submit prompts, get KV caches back.
+
+    server = PrefillServer(LMConfig(...), chunk_tokens=64, callback=ship_to_decode)
+    server.submit("req-1", prompt_ids)        # any thread
+    ...                                        # the engine plans and opens windows (engine.py)
+    server.close()
+
+The work runs in a separate process (:mod:`launch.bubbletea.service`, SCHED_IDLE, its own copy of the
+weights, its own torch threads); this object is its proxy. The training thread's cost per window is a
+store into a shared word and one small pipe message; nothing here holds a lock the prefill needs.
+
+- ``submit(id, tokens)`` queues a prompt. A request is prefilled chunk by chunk into its own KV cache;
+  after its last chunk ``callback(PrefillResult)`` receives the cache, the last token's logits and the
+  first generated token (greedy: their argmax). The callback runs on this process's collector thread.
+- :meth:`plan` hands the coming iteration's windows to the service, which packs its queue into them
+  (:func:`launch.bubbletea.packer.pack`, earliest fit, guard band).
+- :meth:`open` / :meth:`close` bracket one window: the service starts each planned chunk only while
+  the window is open and only if ``now + cost + guard <= deadline``; a chunk it does not start stays
+  queued, and so does every later chunk of its request. A started chunk runs to its end
+  (non-preemptive, like a GPU kernel; chunks are short next to their windows).
+
+The cost of a chunk of c tokens into a cache of T is ``a + b·c + e·c·T``, fitted when the service starts
+and scaled by a running ratio of measured to predicted times, so a busier machine is seen within a few
+chunks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from launch.bubbletea.model import CausalLM, KVCache, LMConfig
+from launch.bubbletea.packer import Chunk
+from launch.bubbletea.service import recv, send
+from launch.bubbletea.timeline import Window
+
+_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+@dataclass
+class PrefillResult:
+    request: Hashable
+    cache: KVCache
+    logits: torch.Tensor        # [V], the last prompt token's
+    first_token: int
+    submitted: float            # time.perf_counter() seconds
+    finished: float
+
+    @property
+    def ttft(self) -> float:
+        """Time to first token: from submit to the end of the prefill."""
+        return self.finished - self.submitted
+
+
+@dataclass
+class Stats:
+    chunks: int = 0
+    tokens: int = 0
+    busy: float = 0.0
+    skipped: int = 0             # planned chunks not started: the window's rest was too short for them,
+    closed: int = 0              # ... or the transfer had returned (the window closed) before their turn
+    ttft: list = field(default_factory=list)
+
+
+class PrefillServer:
+    def __init__(self, config: LMConfig | CausalLM, chunk_tokens: int,
+                 callback: Callable[[PrefillResult], None], guard: float = 1e-3, nice: int = 19,
+                 idle: bool = True, threads: int = 1, cost: tuple[float, float, float] | None = None,
+                 start_timeout: float = 300.0) -> None:
+        """``config``: the inference model (a :class:`CausalLM` sends its weights along); ``nice`` and
+        ``idle`` (Linux ``SCHED_IDLE``): the service's CPU priority; ``cost``: a fixed ``(a, b, e)``
+        instead of timing the model."""
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens={chunk_tokens!r}: a chunk holds at least one token")
+        if not guard >= 0:
+            raise ValueError(f"guard={guard}: the guard band cannot be negative")
+        if not -20 <= nice <= 19:
+            raise ValueError(f"nice={nice}: Linux nice values lie in -20..19")
+        model = config if isinstance(config, CausalLM) else None
+        self.config = model.cfg if model is not None else config
+        self.chunk_tokens, self.callback, self.guard = chunk_tokens, callback, guard
+        self.stats = Stats()
+        self.error: str | None = None
+        self._ratio = 1.0
+        self._lock = threading.Lock()
+        self._pending: set = set()
+        self._pongs: dict[int, threading.Event] = {}
+        self._seq = 0.0
+        self._spans: deque = deque(maxlen=100_000)   # (start, end) perf_counter of chunks not yet taken
+        fd_window = os.memfd_create("bubbletea-window")
+        os.ftruncate(fd_window, 16)
+        self._window = memoryview(mmap.mmap(fd_window, 16)).cast("d")
+        from_parent, to_child = os.pipe()          # (read end, write end)
+        from_child, to_parent = os.pipe()
+        path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
+        fds = (from_parent, to_parent, fd_window)
+        code = f"from launch.bubbletea.service import main; main({list(fds)})"
+        self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=fds,
+                                      env={**os.environ, "PYTHONPATH": path}, cwd=_ROOT)
+        for fd in fds:
+            os.close(fd)
+        self._to = Connection(to_child, readable=False)
+        self._from = Connection(from_child, writable=False)
+        send(self._to, "setup", {"config": self.config, "chunk_tokens": chunk_tokens, "guard": guard,
+                                 "nice": nice, "idle": idle, "threads": threads, "cost": cost,
+                                 "state_dict": model.state_dict() if model is not None else None})
+        deadline = time.monotonic() + start_timeout
+        while not self._from.poll(0.5):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self._proc.kill()
+                raise RuntimeError("the BubbleTea prefill service did not start "
+                                   f"(exit code {self._proc.poll()})")
+        msg = recv(self._from)
+        if msg[0] != "ready":
+            self._proc.kill()
+            raise RuntimeError(f"the BubbleTea prefill service failed to start:\n{msg[-1]}")
+        self.fit = msg[1]
+        self._collector = threading.Thread(target=self._collect, name="bubbletea-collector", daemon=True)
+        self._collector.start()
+
+    # -- requests ---------------------------------------------------------------------------------
+    def submit(self, request: Hashable, tokens: torch.Tensor) -> None:
+        tokens = torch.as_tensor(tokens, dtype=torch.long).flatten().clone()
+        if not 1 <= tokens.numel() <= self.config.max_seq:
+            raise ValueError(f"request {request!r}: {tokens.numel()} tokens; the model takes "
+                             f"1..{self.config.max_seq}")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab:
+            raise ValueError(f"request {request!r}: token ids must lie in [0, {self.config.vocab})")
+        with self._lock:
+            if request in self._pending:
+                raise ValueError(f"request {request!r} is already queued")
+            self._pending.add(request)
+            send(self._to, "submit", request, tokens, time.perf_counter())
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def take_spans(self, until: float) -> list[tuple[float, float]]:
+        """The (start, end) of the chunks that ended by ``until`` and were not taken before; the service
+        runs one chunk at a time, so they arrive in order."""
+        out = []
+        while self._spans and self._spans[0][1] <= until:
+            out.append(self._spans.popleft())
+        return out
+
+    def cost(self, chunk: Chunk, calibrated: bool = False) -> float:
+        """The service's prediction for a chunk, in seconds: as last measured, or as calibrated at start."""
+        a, b, e = self.fit
+        return (1.0 if calibrated else self._ratio) * (a + b * chunk.tokens + e * chunk.tokens * chunk.total)
+
+    # -- windows ------------------------------------------------------------------------------------
+    def plan(self, windows: Sequence[Window]) -> None:
+        with self._lock:
+            send(self._to, "windows", [(w.tag, w.start, w.length) for w in windows])
+
+    def open(self, tag, deadline: float) -> None:
+        """A window opens now and ends at ``deadline`` (perf_counter seconds)."""
+        self._seq += 1
+        self._window[1] = deadline
+        self._window[0] = self._seq
+        with self._lock:
+            send(self._to, "open", tag, self._seq)
+
+    def close(self) -> None:
+        self._window[1] = 0.0
+
+    def drain(self) -> None:
+        """Prefill everything still queued, now (at the end of a run), and wait for it."""
+        with self._lock:
+            send(self._to, "drain")
+        self.sync()
+
+    def sync(self, timeout: float = 120.0) -> None:
+        """Return once the service has done everything asked before, and its results are delivered."""
+        event = threading.Event()
+        with self._lock:
+            n = len(self._pongs)
+            self._pongs[n] = event
+            send(self._to, "ping", n)
+        if not event.wait(timeout):
+            raise TimeoutError(f"the BubbleTea prefill service did not answer within {timeout} s")
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the BubbleTea prefill service failed:\n{self.error}")
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    send(self._to, "stop")
+        try:
+            self._proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._collector.join(10)
+        self._to.close()
+
+    # -- results --------------------------------------------------------------------------------------
+    def _collect(self) -> None:
+        st = self.stats
+        while True:
+            try:
+                msg = recv(self._from)
+            except (EOFError, OSError):
+                return
+            kind = msg[0]
+            if kind == "chunk":
+                _, t0, t1, tokens, self._ratio = msg
+                st.chunks, st.tokens, st.busy = st.chunks + 1, st.tokens + tokens, st.busy + (t1 - t0)
+                self._spans.append((t0, t1))
+            elif kind == "skipped":
+                if msg[2] == "closed":
+                    st.closed += msg[1]
+                else:
+                    st.skipped += msg[1]
+            elif kind == "done":
+                _, rid, k, v, length, logits, first, t_submit, t_done = msg
+                with self._lock:
+                    self._pending.discard(rid)
+                result = PrefillResult(rid, KVCache(k, v, length), logits, first, t_submit, t_done)
+                st.ttft.append(result.ttft)
+                try:
+                    self.callback(result)
+                except BaseException as e:          # surfaced to the training thread by raise_error
+                    self.error = f"the callback raised {e!r}"
+            elif kind == "pong":
+                self._pongs[msg[1]].set()
+            elif kind == "error":
+                self.error = msg[1]
+                for event in self._pongs.values():
+                    event.set()

@@ -1,0 +1,35 @@
+"""benchmarks.bubbletea's report: the slowdown is the median of paired on/stock ratios, the A/A control
+(tracing only vs stock) is reported beside it, and the JSON line carries the figures the issue asks for."""
+
+import json
+
+import pytest
+
+from benchmarks import bubbletea as bench
+
+
+def _rank(rank, stock, on, profile, ttft):
+    return {"rank": rank, "stock": stock, "on": on, "profile": profile, "util_off": 0.4, "util_on": 0.7,
+            "train_busy_on": 4.0, "prefill_busy_on": 3.0, "wall_on": 10.0, "windows": [(5, 20.0)],
+            "ttft": ttft, "prefilled": len(ttft), "chunks": 8, "skipped": 1, "closed": 0,
+            "tokens_per_s": 100.0, "steady_iterations": 12}
+
+
+def test_report_pairs_the_arms(capsys):
+    cfg = {"wan_ms": 10.0, "hidden": 8, "layers": 2, "micro_batches": 2, "batch": 2, "lm_hidden": 8,
+           "lm_layers": 1, "prompt": 16, "chunk": 8, "guard_ms": 1.0, "outstanding": 1, "pairs": 3, "nice": 0,
+           "prefill_nice": 19, "prefill_idle": 1}
+    # pairs: 1.00/1.00, 1.10/1.00 (a noisy pair), 0.98/1.00 -> median ratio 1.00; medians of the arms alone
+    # would say otherwise if the pairs were not kept together
+    ranks = [_rank(0, [1.0, 1.0, 1.0], [1.0, 1.1, 0.98], [1.02, 1.0, 1.0], [0.5, 0.7]),
+             _rank(1, [2.0, 2.0, 2.0], [2.02, 2.02, 2.02], [2.0, 2.0, 2.0], [0.6])]
+    summary = bench.report(cfg, ranks, "1.0 1.0 1.0", "1.0 1.0 1.0")
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == json.loads(json.dumps(summary))
+    assert summary["slowdown"] == pytest.approx(0.0)
+    assert summary["slowdown_per_rank"] == pytest.approx([0.0, 0.01])
+    assert summary["tracing_overhead"] == pytest.approx(0.0)
+    assert summary["prefill_tokens_per_s"] == pytest.approx(200.0)
+    assert summary["ttft_median_s"] == pytest.approx(0.6)
+    assert summary["utilisation"] == pytest.approx(0.4)
+    assert summary["utilisation_bubbletea"] == pytest.approx(0.7)

@@ -242,9 +242,9 @@ def memory_world(world: int, args, layers=(1, 4)) -> dict:
     c = max(valid_team_sizes(world))
     print(f"\nPeak memory per rank at P = {world} (max over ranks), {s} rows x {b} x {h} heads x {d}, fp32, "
           f"A = {a / 2**20:.2f} MiB; Y layers forward + backward, nothing recomputed")
-    print(f"{'':<27}{'buffers kept (CPU)':>27}{'buffers freed (as CUDA)':>25}{'paper eqs. (5), (6)':>21}")
+    print(f"{'':<27}{'buffers kept (CPU)':>27}{'buffers freed (as CUDA)':>25}{'paper eqs. (5), (6)':>23}")
     print(f"{'method':<24}{'Y':>3}{'MiB':>7}{'/A':>6}{'extra/A':>8}{'kept MiB':>9}{'MiB':>7}{'/A':>6}"
-          f"{'extra/A':>8}{'A':>4}{'GiB':>5}{'extra/A':>9}")
+          f"{'extra/A':>8}{'A':>4}{'MiB':>7}{'extra/A':>9}")
     rows = {}
     for (name, y) in per_rank[0]:
         peak, kept, live = (max(r[name, y][i] for r in per_rank) for i in range(3))
@@ -257,7 +257,7 @@ def memory_world(world: int, args, layers=(1, 4)) -> dict:
                  paper_a=paper, paper_extra_a=3 * (team - 1))
         print(f"{name:<24}{y:>3}{r['peak_a'] * a / 2**20:>7.1f}{r['peak_a']:>6.1f}{r['extra_a']:>8.1f}"
               f"{r['kept_mib']:>9.1f}{r['freed_peak_a'] * a / 2**20:>7.1f}{r['freed_peak_a']:>6.1f}"
-              f"{r['freed_extra_a']:>8.1f}{paper:>4}{paper * a / 2**30:>5.2f}{3 * (team - 1):>9}")
+              f"{r['freed_extra_a']:>8.1f}{paper:>4}{paper * a / 2**20:>7.1f}{3 * (team - 1):>9}")
     print("(peak: bytes allocated and live at once during the step; extra: over ring attention at the same "
           "Y; kept: WallFacer's CPU buffers held between calls after the step; paper: activations only, "
           "model and optimizer M left out, one checkpoint per layer)")

@@ -20,8 +20,9 @@ capacity factor 1.25, fp32, 4 overlap chunks. Rows:
 Each row: median over iterations (rows interleaved) of the slowest rank's time, bytes per rank per group
 from the ledger (DeepSpeed's collectives counted with commweave.comm.trace_torch_distributed), and the
 speed-up over DeepSpeed. Then the alpha-beta model's *projections* (not measurements) for two GPU
-clusters, and one JSON line of ratios. On gloo, DeepSpeed's tensor-parallel token gather needs a shim
-(design/traps.md).
+clusters; a second table times the eval forward (``layer.eval()`` under ``torch.inference_mode()``) of
+DeepSpeed's MoE and each ParmMoE schedule, "auto" included; and one JSON line of ratios. On gloo,
+DeepSpeed's tensor-parallel token gather needs a shim (design/traps.md).
 """
 
 from __future__ import annotations
@@ -225,6 +226,59 @@ def _rank_bench(cfg: Config, rows: tuple[str, ...], iters: int, warmup: int) -> 
     return result
 
 
+EVAL_ROWS = ("DeepSpeed MoE", "parm deepspeed", "parm s1", "parm s2", "parm auto")
+
+
+def _rank_eval(cfg: Config, rows: tuple[str, ...], iters: int, warmup: int) -> dict:
+    """Eval forward of every row: ``layer.eval()`` under ``torch.inference_mode()`` (the eval capacity factor
+    is the training one here), rows interleaved, the slowest rank's wall time."""
+    _setup(cfg)
+    world = dist.group.WORLD
+    torch.manual_seed(100 + dist.get_rank() // cfg.tp)
+    x = torch.randn(cfg.tokens, cfg.hidden, dtype=DTYPES[cfg.dtype])
+    layers = {row: _layer(row, cfg).eval() for row in rows}
+    times: dict[str, list[float]] = {row: [] for row in rows}
+    with torch.inference_mode():
+        for i in range(warmup + iters):
+            for row in rows:
+                comm.all_reduce(torch.zeros(1), world)
+                t0 = time.perf_counter()
+                layers[row](x)
+                wall = torch.tensor([time.perf_counter() - t0])
+                comm.all_reduce(wall, world, op="max")
+                if i >= warmup:
+                    times[row].append(wall.item() * 1e3)
+        result = {}
+        for row in rows:
+            with ledger.recording() as led, comm.trace_torch_distributed():
+                layers[row](x)
+            result[row] = {"ms": times[row], "bytes": {key: v["sent"] for key, v in led.as_dict().items()},
+                           "schedule": getattr(layers[row], "last_schedule", None)}
+    return result
+
+
+def _print_eval(cfg: Config, res: dict) -> dict:
+    """The eval-forward table; returns its ratios for the JSON line."""
+    base = res["DeepSpeed MoE"]["ms"]
+    print(f"\nMoE layer eval forward (layer.eval(), torch.inference_mode()), {cfg.ranks} gloo ranks; "
+          "paired: median of per-iteration DeepSpeed/row ratios\n")
+    print(f"{'row':<28}{'wall ms':>9}{'speed-up':>9}{'paired':>8}{'A2A ep MB':>10}{'ESP MB':>8}{'MP MB':>8}"
+          "  wall per iteration (ms)")
+    ratios = {}
+    for row, r in res.items():
+        med = statistics.median(r["ms"])
+        paired = statistics.median(d / t for d, t in zip(base, r["ms"], strict=True))
+        sent = r["bytes"]
+        label = row if row != "parm auto" else f"parm auto ({r['schedule']})"
+        print(f"{label:<28}{med:>9.1f}{statistics.median(base) / med:>9.2f}{paired:>8.2f}"
+              f"{sent.get('all_to_all@ep', 0) / 1e6:>10.2f}{_group_mb(sent, 'esp'):>8.2f}"
+              f"{_group_mb(sent, 'mp'):>8.2f}  " + " ".join(f"{t:.1f}" for t in r["ms"]))
+        if row != "DeepSpeed MoE":
+            ratios[f"eval_paired_speedup_{row.removeprefix('parm ')}_vs_deepspeed_moe"] = paired
+    ratios["eval_auto_schedule"] = res["parm auto"]["schedule"]
+    return ratios
+
+
 def _layer_shape(cfg: Config):
     from ds_plugins.cost_model import LayerShape
 
@@ -255,6 +309,7 @@ def run_default(cfg: Config, iters: int, warmup: int) -> dict:
     load_before = _load()
     with World(cfg.ranks, timeout=3600) as world:
         res = world.run(_rank_bench, cfg, ROWS, iters, warmup, timeout=3600)[0]
+        evals = world.run(_rank_eval, cfg, EVAL_ROWS, iters, warmup, timeout=3600)[0]
     load_after = _load()
     med = {row: statistics.median(r["ms"]) for row, r in res.items()}
     cpu = {row: statistics.median(r["cpu_ms"]) for row, r in res.items()}
@@ -301,6 +356,7 @@ def run_default(cfg: Config, iters: int, warmup: int) -> dict:
         "a2a_bytes_deepspeed_moe_over_s2": a2a["DeepSpeed MoE"] / a2a["parm s2"],
         "projected_speedup_best_parm_vs_deepspeed_moe": projections,
         "load_avg": load_after, "speedup_limit_compute_only_vs_deepspeed_moe": base / med["compute only"]}
+    ratios.update(_print_eval(cfg, evals))
     print(json.dumps(ratios))
     return ratios
 

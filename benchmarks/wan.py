@@ -88,14 +88,12 @@ def worker(rank: int, master: str, peer: str, ifname: str, mib: int, conns: list
             t0 = time.monotonic()
             if rank == 0:
                 sampler = _Sampler(peer) if k == 1 and rep == repeats - 1 else None
-                for w in wan.isend(x, 0, 1):
-                    w.wait()
+                wan.isend(x, 0, 1).wait()
                 if sampler is not None:
                     sample = sampler.stop()
             else:
                 x.zero_()
-                for w in wan.irecv(x, 1, 0):
-                    w.wait()
+                wan.irecv(x, 1, 0).wait()
                 times.append(time.monotonic() - t0)
                 if rep == 0 and not bool((x[:: 1 << 16] == torch.arange(0, n, 1 << 16)).all()):
                     raise RuntimeError(f"k={k}: the striped transfer arrived corrupted")

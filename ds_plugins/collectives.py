@@ -62,7 +62,8 @@ class _ReduceFrom(torch.autograd.Function):
         return grad, None
 
 
-def _blocks(rows: int, n: int) -> list[int]:
+def row_blocks(rows: int, n: int) -> list[int]:
+    """The sizes of ``torch.tensor_split``'s n blocks of ``rows`` rows (the first rows % n one larger)."""
     return [t.numel() for t in torch.arange(rows).tensor_split(n)]
 
 
@@ -83,7 +84,7 @@ def _gather_blocks(x: torch.Tensor, group, rows: list[int]) -> torch.Tensor:
 class _SplitRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group, ctx.rows = group, _blocks(x.shape[0], comm.size(group))
+        ctx.group, ctx.rows = group, row_blocks(x.shape[0], comm.size(group))
         return x.tensor_split(comm.size(group))[comm.rank(group)].contiguous()
 
     @staticmethod
@@ -95,7 +96,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, total_rows):
         ctx.group = group
-        return _gather_blocks(x.contiguous(), group, _blocks(total_rows, comm.size(group)))
+        return _gather_blocks(x.contiguous(), group, row_blocks(total_rows, comm.size(group)))
 
     @staticmethod
     def backward(ctx, grad):

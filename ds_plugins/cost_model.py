@@ -31,6 +31,14 @@ imbalanced gate drops more) and about 1/f of the slots for k·f > 1. Per local e
                   MP slices of one source's capacity, filled from slot 0)
 
 plus, for S1 and S2, the forward exchange of the fill counts: A2A over EP of E int32 and AG over ESP.
+
+S1 gates the whole batch (ds_plugins.routing): the gate GEMM on its S/N tokens, an AG over MP of the
+logits [S, E], the gating's element-wise work on all S tokens; its buffer holds the most routes one block
+of S/N tokens sends one expert, min(k·S/E, C)/N in the balanced case.
+
+Every schedule agrees on the token count before routing, and S1 (always) and the others (without token
+dropping) on the capacity after it (ds_plugins.agreement): tiny all-reduces over MP and EP, charged as
+their α (the EP one as an A2A of the same bytes, its latency class), in the part "agree".
 """
 
 from __future__ import annotations
@@ -116,11 +124,18 @@ def _pad(c: int, multiple: int) -> int:
     return -(-c // multiple) * multiple
 
 
-def _gate(costs: OpCosts, sh: LayerShape, tokens: int) -> float:
-    """Gate GEMM forward + backward (3 GEMMs) and its element-wise work on [tokens, E] (about 60 passes:
-    softmax, top-k, one-hot masks, cumulative sums, capacity selection, and their backwards)."""
+def _gate(costs: OpCosts, sh: LayerShape, tokens: int, gated: int) -> float:
+    """Gate GEMM forward + backward (3 GEMMs) on ``tokens`` and its element-wise work on [gated, E] (about
+    60 passes: softmax, top-k, one-hot masks, cumulative sums, capacity selection, and their backwards)."""
     return (3 * costs("gemm", 2 * tokens * sh.hidden * sh.experts)
-            + costs("mem", 60 * tokens * sh.experts * 4))
+            + costs("mem", 60 * gated * sh.experts * 4))
+
+
+def _agree(costs: OpCosts, sh: LayerShape, rounds: int) -> float:
+    """``rounds`` agreements (ds_plugins.agreement): an AR of 2n int64 over MP, of 3n over EP."""
+    mp = costs("ar@mp", 2 * 2 * 8) if sh.mp > 1 else 0.0
+    ep = costs("a2a@ep", 3 * 2 * 8) if sh.ep > 1 else 0.0
+    return rounds * (mp + ep)
 
 
 def _route(costs: OpCosts, sh: LayerShape, tokens: int, capacity: int) -> float:
@@ -170,22 +185,25 @@ def predict(schedule: str, sh: LayerShape, costs: OpCosts) -> Breakdown:
     out = Breakdown()
     if schedule == "s1":
         mine = math.ceil(sh.tokens / n)
-        c1 = sh.capacity(mine)
+        c1 = max(1, math.ceil(min(sh.k * sh.tokens / e, sh.capacity(sh.tokens)) / n))
         chunks = max(1, min(sh.chunks, c1))
         cb = _pad(c1, chunks)
         v = e * cb * m * b
-        out.add("gate", _gate(costs, sh, mine))
+        out.add("gate", _gate(costs, sh, mine, sh.tokens))
+        out.add("agree", _agree(costs, sh, 2))
         out.add("dispatch+combine", _route(costs, sh, mine, cb))
         out.add("exchanges", _exchanges(costs, sh, v, chunks, mp_split=False) + _fills(costs, sh))
         out.add("experts", _experts(costs, sh, expert_rows(sh, mine, cb, False, sh.skip_empty_slots)))
         if n > 1:
             rows = n * mine * m * b                      # the MP all-gather of S·M (padded blocks)
             pad = 0 if sh.tokens % n == 0 else 4 * costs("mem", rows)
-            out.add("mp", 2 * costs("ag@mp", rows) + pad + costs("ar@mp", 3 * e * 4)
+            out.add("mp", 2 * costs("ag@mp", rows) + pad + costs("ag@mp", n * mine * e * 4)
                     + costs("ar@mp", e * m * 4))
         return out
     c = sh.capacity(sh.tokens)
-    out.add("gate", _gate(costs, sh, sh.tokens))
+    out.add("gate", _gate(costs, sh, sh.tokens, sh.tokens))
+    if schedule in ("s2", "deepspeed"):
+        out.add("agree", _agree(costs, sh, 1))
     if schedule == "s2":
         chunks = max(1, min(sh.chunks, math.ceil(c / n)))
         cb = _pad(c, n * chunks)

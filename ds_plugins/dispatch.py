@@ -136,17 +136,22 @@ def _find_route_fault_torch(indices: torch.Tensor, locations: torch.Tensor, num_
 
 class _LastChecked:
     """The routes checked last: combine reuses dispatch's verdict on the very same, unmodified tensors
-    (the same objects, same version counters), which spares a second pass and, on a GPU, a second sync."""
+    (the same objects, same version counters), which spares a second pass and, on a GPU, a second sync.
+    Tensors made under ``torch.inference_mode`` have no version counter: they are checked every time."""
 
     def __init__(self) -> None:
         self.refs: tuple[weakref.ref, weakref.ref] | None = None
         self.state: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     def hit(self, indices, locations, num_experts: int, capacity: int) -> bool:
+        if indices.is_inference() or locations.is_inference():
+            return False
         return (self.refs is not None and self.refs[0]() is indices and self.refs[1]() is locations
                 and self.state == (indices._version, locations._version, num_experts, capacity))
 
     def store(self, indices, locations, num_experts: int, capacity: int) -> None:
+        if indices.is_inference() or locations.is_inference():
+            return
         self.refs = (weakref.ref(indices), weakref.ref(locations))
         self.state = (indices._version, locations._version, num_experts, capacity)
 

@@ -18,6 +18,7 @@ import torch.distributed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from deepspeed.moe.layer import MoE
+from deepspeed.pipe import PipelineModule
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 from torch import nn
 
@@ -69,7 +70,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                    distributed_port=distributed_port, dist_init_required=dist_init_required)
         world = comm.size(torch.distributed.group.WORLD)
-        model = swap_moe_layers(model, parm, world, bwc_tensor_model_parallel_world_size(mpu))
+        # a PipelineModule brings its own mpu (its grid), which DeepSpeed's pipeline engine uses
+        grid = model.mpu() if mpu is None and isinstance(model, PipelineModule) else mpu
+        model = swap_moe_layers(model, parm, world, bwc_tensor_model_parallel_world_size(grid))
     return deepspeed.initialize(args=args, model=model, optimizer=optimizer,
                                 model_parameters=model_parameters, training_data=training_data,
                                 lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,

@@ -5,9 +5,14 @@ A subclass of ``deepspeed.moe.layer.MoE``, so the engine finds it (it detects Mo
 expert gradients over the expert-data-parallel groups; the gate and the experts are DeepSpeed's own
 modules with DeepSpeed's parameter tags. Only the forward differs:
 
-    gate -> schedule ("deepspeed" | "s1" | "s2", or "auto" per shape) -> (output, l_aux, exp_counts)
+    agree on the token count -> schedule ("deepspeed" | "s1" | "s2", or "auto" per agreed shape)
+        -> (output, l_aux, exp_counts)
 
-with the output replicated over the MP ranks, as DeepSpeed's.
+with the output replicated over the MP ranks, as DeepSpeed's. Every schedule routes exactly as
+DeepSpeed's gate on the whole batch, so the schedule changes the speed, never the result; the forward
+issues collectives on the layer's own groups only (ds_plugins.agreement, ds_plugins.selector), and works
+in training and eval, under ``torch.no_grad()`` / ``torch.inference_mode()`` and activation
+checkpointing.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_group, bwc_tensor_mode
 from torch import nn
 
 from commweave import comm
-from ds_plugins import experts, selector
+from ds_plugins import agreement, experts, selector
 from ds_plugins.config import ParmConfig, check_overlap_chunks, check_schedule
 from ds_plugins.groups import ParmGroups, check_layout
 from ds_plugins.schedules import SCHEDULES
@@ -92,7 +97,14 @@ class ParmMoE(MoE):
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """Validate the layout and the experts (before any collective), let DeepSpeed create its groups,
-        then add Parm's and shard the experts over ESP. Collective: every rank calls it."""
+        then add Parm's, shard the experts over ESP and, for "auto", fit the cost model on the layer's
+        groups (ds_plugins.selector). Collective: every rank calls it, once per layer."""
+        if self.parm_groups is not None:
+            raise RuntimeError(
+                "ParmMoE.set_deepspeed_parallelism() was already called for this layer (its process groups "
+                "exist and its experts are sharded over ESP); it runs once per layer: deepspeed.initialize "
+                "and ds_plugins.initialize call it, so do not call it yourself before them (only when you "
+                "use the layer without an engine)")
         tp = bwc_tensor_model_parallel_world_size(ds_groups.mpu)
         check_layout(comm.size(torch.distributed.group.WORLD), tp, self.ep_size, self.num_experts)
         esp = tp if self.enable_expert_tensor_parallelism else 1
@@ -104,6 +116,8 @@ class ParmMoE(MoE):
         if esp > 1:
             for expert in self.local_experts:
                 experts.shard_(expert, self.parm_groups.esp_rank, esp)
+        if self.schedule == "auto":
+            selector.fit(self)
 
     def forward(self, hidden_states: torch.Tensor,
                 used_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -112,7 +126,9 @@ class ParmMoE(MoE):
                                "ds_plugins.initialize) calls set_deepspeed_parallelism(); call it yourself "
                                "when using the layer alone")
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        schedule = self.schedule if self.schedule != "auto" else selector.choose(self, x)
+        tokens = agreement.tokens(x.shape[0], self.gate.training, self.gate.drop_tokens, self.parm_groups,
+                                  x.device)
+        schedule = self.schedule if self.schedule != "auto" else selector.choose(self, tokens, x.dtype)
         self.last_schedule = schedule
         out, l_aux, exp_counts = SCHEDULES[schedule](self, x, used_token)
         self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts = l_aux, exp_counts

@@ -1,24 +1,29 @@
-"""Routing with DeepSpeed's own gate, minus its hidden collective, plus what S1 needs (parm.md §2.8).
+"""Routing with DeepSpeed's own gate, minus its hidden collective, for every schedule (parm.md §2.8).
 
-``route`` is ``TopKGate.forward`` step for step (fp32 logits, 'Jitter' on the input, top-1 / top-2 /
+:func:`route` is ``TopKGate.forward`` step for step (fp32 logits, 'Jitter' on the input, top-1 / top-2 /
 top-k gating from ``deepspeed.moe.sharded_moe``), called with ``ep_group=None`` so that the no-drop
-capacity all-reduce is not issued behind our back: the schedules agree on the capacity themselves, over
-the groups their layout needs (:func:`agree_capacity`). It draws random numbers exactly as the gate does,
-so S2 and "deepspeed" route bit-identically to DeepSpeed's MoE from the same RNG state.
+capacity all-reduce is not issued behind our back: the schedules agree on every size themselves, over
+every group their collectives use (ds_plugins.agreement). It draws random numbers exactly as the gate
+does, so S2 and "deepspeed" route bit-identically to DeepSpeed's MoE from the same RNG state.
 
-S1 gates a 1/N shard of the tokens. Its auxiliary loss and expert counts must still be those of the full
-token set, so :func:`route` also returns the per-expert statistics the loss is made of,
+S1 (:func:`route_shard`) computes the gate GEMM on its 1/N block of the tokens only, but gates the *whole*
+batch: it all-gathers the logits [S, E] over MP (S·E·4 bytes, E << M) and runs the same DeepSpeed gating
+function on them, then keeps its block's routes. So S1 keeps and drops exactly the routes DeepSpeed's gate
+keeps and drops on the full batch (capacity, RTS, Gumbel sampling, 'probs' drop policy alike), its l_aux
+and exp_counts are the full batch's, and every MP rank draws the full batch's random numbers (the
+'Jitter' noise [S, M] included): their RNG streams stay identical whatever S % N is. The logits'
+all-gather needs no reduction in the backward: the gating is replicated on the MP ranks, each holds the
+full gradient of its own rows (its combine's part and the l_aux part), and keeps it.
 
-    me_e = mean_s softmax(logits)_se      ce_e = fraction of tokens whose (first) choice is e
-    l_aux = Σ_e me_e·ce_e·E  (k = 1),   mean_e(me_e·ce_e)·E²  (k = 2),   mean_e(me_e·ce_e)·E²/k  (k > 2)
-
-and :func:`full_batch_loss` sums them over MP before applying the formula.
+The block's kept routes are renumbered per expert from slot 0 in DeepSpeed's slot order (:func:`shard`),
+so its buffer needs only the largest number of routes one block sends one expert, about C/N, not C.
 
 Filled slots. Every DeepSpeed gate places the kept routes of an expert at locations from a cumulative sum
 over the tokens of the *kept* mask (top-1 with or without RTS, top-2 with the second choices after the
-first, top-k with either drop policy, and no-drop): the slots of expert e that hold a token are the
-prefix 0..n_e-1 of its capacity. :func:`fill` returns fill_e = max live location + 1, which covers every
-live slot even if a gate ever left a hole, so running an expert on its first fill_e slots is exact.
+first, top-k with either drop policy, and no-drop), and :func:`shard` renumbers from 0: the slots of
+expert e that hold a token are the prefix 0..n_e-1 of its capacity. :func:`fill` returns
+fill_e = max live location + 1, which covers every live slot even if a gate ever left a hole, so running
+an expert on its first fill_e slots is exact.
 """
 
 from __future__ import annotations
@@ -29,7 +34,6 @@ import torch
 import torch.nn.functional as F
 from deepspeed.moe.sharded_moe import (
     TopKGate,
-    _capacity,
     multiplicative_jitter,
     top1gating,
     top2gating,
@@ -51,23 +55,15 @@ class Routes:
     locations: torch.Tensor
     gates: torch.Tensor
     exp_counts: torch.Tensor
-    me: torch.Tensor
-    ce: torch.Tensor
 
 
 def _capacity_factor(gate: TopKGate) -> float:
     return gate.capacity_factor if gate.training else gate.eval_capacity_factor
 
 
-def route(gate: TopKGate, x: torch.Tensor, used_token: torch.Tensor | None = None,
-          weight: torch.Tensor | None = None) -> Routes:
-    """Gate ``x`` [S, M]; ``weight`` replaces ``gate.wg.weight`` (S1 passes it through an MP copy)."""
-    x32 = x.float()
-    if gate.noisy_gate_policy == "Jitter" and gate.training:
-        x32 = multiplicative_jitter(x32, device=x.device)
-    logits = F.linear(x32, (gate.wg.weight if weight is None else weight).float())
-    probs = F.softmax(logits, dim=1)  # before top2gating adds its Gumbel noise to logits in place
-    cf, e = _capacity_factor(gate), logits.shape[1]
+def gating(gate: TopKGate, logits: torch.Tensor, used_token: torch.Tensor | None = None) -> Routes:
+    """DeepSpeed's top-1 / top-2 / top-k gating of ``logits`` [S, E] (fp32), as ``TopKGate.forward`` does."""
+    cf = _capacity_factor(gate)
     if gate.k == 1:
         out = top1gating(logits, cf, gate.min_capacity, used_token,
                          gate.noisy_gate_policy if gate.training else None, gate.drop_tokens, gate.use_rts,
@@ -78,11 +74,61 @@ def route(gate: TopKGate, x: torch.Tensor, used_token: torch.Tensor | None = Non
     else:
         out = topkgating(logits, gate.k, cf, gate.min_capacity, gate.drop_tokens, None, sparse_routes=True)
     l_aux, capacity, _, indices, locations, gates, exp_counts = out
-    if gate.k == 2:
-        ce = F.one_hot(probs.argmax(dim=1), num_classes=e).float().mean(0)
-    else:
-        ce = exp_counts.float() / x.shape[0]
-    return Routes(l_aux, int(capacity), indices, locations, gates, exp_counts, probs.mean(0), ce)
+    return Routes(l_aux, int(capacity), indices, locations, gates, exp_counts)
+
+
+def _jittered(gate: TopKGate, x32: torch.Tensor, tokens: int, rows: slice) -> torch.Tensor:
+    """'Jitter' in training: ``x32`` (rows ``rows`` of the S tokens) times those rows of the full batch's
+    noise [S, M], drawn as DeepSpeed draws it (the same random numbers whatever block a rank holds)."""
+    if gate.noisy_gate_policy != "Jitter" or not gate.training:
+        return x32
+    noise = multiplicative_jitter(torch.ones(tokens, x32.shape[1], device=x32.device), device=x32.device)
+    return x32 * noise[rows]
+
+
+def route(gate: TopKGate, x: torch.Tensor, used_token: torch.Tensor | None = None) -> Routes:
+    """Gate all S tokens of ``x`` [S, M]."""
+    x32 = _jittered(gate, x.float(), x.shape[0], slice(None))
+    return gating(gate, F.linear(x32, gate.wg.weight.float()), used_token)
+
+
+def route_shard(gate: TopKGate, x_l: torch.Tensor, tokens: int, used_token: torch.Tensor | None,
+                mp_group, mp_rank: int, mp_size: int) -> tuple[Routes, int]:
+    """S1: gate the S tokens of which this MP rank holds the block ``x_l`` (``torch.tensor_split`` order).
+
+    Returns this block's routes (locations renumbered, see :func:`shard`) and the largest number of routes
+    any block sends one expert (the same on every MP rank). The gate weight goes through an MP copy: its
+    gradient is a partial sum over the blocks, all-reduced over MP in the backward (parm.md §2.7).
+    """
+    lo = sum(collectives.row_blocks(tokens, mp_size)[:mp_rank])
+    x32 = _jittered(gate, x_l.float(), tokens, slice(lo, lo + x_l.shape[0]))
+    logits_l = F.linear(x32, collectives.copy_to(gate.wg.weight.float(), mp_group))        # [S/N, E]
+    logits = collectives.gather_rows(logits_l, mp_group, tokens)                          # [S, E]: AG(mp)
+    return shard(gating(gate, logits, used_token), mp_rank, mp_size)
+
+
+def shard(r: Routes, q: int, n: int) -> tuple[Routes, int]:
+    """Block q of n of full-batch routes: its live routes to each expert renumbered 0, 1, ... in their
+    slot order; and the largest number of live routes one block sends one expert (its capacity)."""
+    k, tokens = r.indices.shape
+    e = r.exp_counts.shape[0]
+    sizes = collectives.row_blocks(tokens, n)
+    block = torch.repeat_interleave(torch.arange(n, device=r.indices.device),
+                                    torch.tensor(sizes, device=r.indices.device))
+    live = r.indices >= 0
+    key = (block.expand(k, tokens) * e + r.indices.long())[live]              # (block, expert) per route
+    order = torch.argsort(key * (k * tokens) + r.locations[live].long())      # locations < k·S
+    counts = torch.bincount(key, minlength=n * e)
+    starts = counts.cumsum(0) - counts
+    renumbered = torch.empty_like(key)
+    renumbered[order] = torch.arange(key.numel(), device=key.device) - starts[key[order]]
+    locations = torch.zeros_like(r.locations)
+    locations[live] = renumbered.to(locations.dtype)
+    lo = sum(sizes[:q])
+    cols = slice(lo, lo + sizes[q])
+    mine = Routes(r.l_aux, r.capacity, r.indices[:, cols].contiguous(), locations[:, cols].contiguous(),
+                  r.gates[:, cols].contiguous(), r.exp_counts)
+    return mine, max(1, int(counts.max()))
 
 
 def fill(r: Routes, num_experts: int) -> torch.Tensor:
@@ -90,40 +136,6 @@ def fill(r: Routes, num_experts: int) -> torch.Tensor:
     live = r.indices >= 0
     out = torch.zeros(num_experts, dtype=torch.int32, device=r.indices.device)
     return out.scatter_reduce_(0, r.indices[live].long(), r.locations[live] + 1, reduce="amax")
-
-
-def drop_capacity(gate: TopKGate, num_tokens: int) -> int:
-    """The capacity DeepSpeed's gate gives ``num_tokens`` tokens in drop mode (``_capacity`` itself)."""
-    k_factor = 1 if gate.k == 1 else gate.k
-    shape = torch.empty((num_tokens, gate.wg.weight.shape[0]), device="meta")
-    factor = torch.tensor(_capacity_factor(gate) * k_factor)
-    return int(_capacity(shape, factor, torch.tensor(gate.min_capacity)))
-
-
-def agree_capacity(capacity: int, groups_to_cover: list, device) -> int:
-    """No-drop mode: the largest capacity over the ranks whose buffers meet (MAX over each group in turn)."""
-    c = torch.tensor([capacity], dtype=torch.int64, device=device)
-    for group in groups_to_cover:
-        if group is not None:
-            comm.all_reduce(c, group, op="max")
-    return int(c.item())
-
-
-def full_batch_loss(gate: TopKGate, r: Routes, num_local: int, num_total: int, mp_group):
-    """S1: (l_aux, exp_counts) of all ``num_total`` tokens from each MP rank's ``num_local`` tokens.
-
-    One all-reduce of [me·S_l, ce·S_l, counts] over MP; its dual is the identity (the loss is replicated on
-    the MP ranks), so the gate-weight gradient stays a partial sum that S1 all-reduces (parm.md §2.7).
-    """
-    e = r.me.shape[0]
-    stats = torch.cat([r.me * num_local, r.ce * num_local, r.exp_counts.to(r.me.dtype)])
-    stats = collectives.reduce_from(stats, mp_group)
-    me, ce = stats[:e] / num_total, stats[e: 2 * e] / num_total
-    if gate.k == 1:
-        l_aux = torch.sum(me * ce) * e
-    else:
-        l_aux = torch.mean(me * ce) * e * e / (1 if gate.k == 2 else gate.k)
-    return l_aux, stats[2 * e:].detach().round().to(r.exp_counts.dtype)
 
 
 def check_consistent(r: Routes, mp_group) -> None:

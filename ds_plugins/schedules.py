@@ -8,7 +8,8 @@ V = E·C_buf·M. Wire volumes per rank (forward; the backward mirrors them, §2.
                (ESP = 1 with MP > 1: A2A(ep) 2·(V/N)(p-1)/p, AG(mp) V(N-1)/N, DeepSpeed's drop/gather)
     s2         A2A(ep) 2·(V/N)(p-1)/p        AG(esp) + RS(esp) 2·V(N-1)/N      AG(mp) V(N-1)/N
     s1         A2A(ep) 2·V₁(p-1)/p           AG(esp) + RS(esp) 2·V₁(N-1)       AG(mp) S·M(N-1)/N
-               (V₁ = E·C₁·M, C₁ ≈ C/N: the capacity of S/N tokens)
+               + AG(mp) of the logits S·E·4(N-1)/N (forward only)
+               (V₁ = E·C₁·M, C₁ ≈ C/N: the most routes one block of S/N tokens sends one expert)
 
 plus, with ``skip_empty_slots`` (the default), the fill counts that let the experts skip the empty slots
 (ds_plugins.overlap): A2A(ep) E·4·(p-1)/p and, in S1 and S2, AG(esp) E·4·(s-1) bytes, forward only.
@@ -16,7 +17,12 @@ The experts then run on the F rows that hold a token instead of all of them (F �
 expert where the slots number p·s·C_buf; "deepspeed" all-reduces F·M per expert, not C·p·M); the
 exchanges keep their fixed sizes.
 
-Every schedule returns ``(output [S, M] replicated over MP, l_aux, exp_counts)``.
+And the agreement on sizes (ds_plugins.agreement), forward only: every schedule agrees on S and the
+training flag before routing (AR(mp) of 4 int64, AR(ep) of 6), and where the capacity depends on the
+routes (no token dropping; always in S1) on it after routing (AR(mp) of 2 int64, AR(ep) of 3).
+
+Every schedule routes exactly as DeepSpeed's gate on all S tokens (ds_plugins.routing) and returns
+``(output [S, M] replicated over MP, l_aux, exp_counts)``.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from dataclasses import replace
 
 import torch
 
-from ds_plugins import collectives, experts, overlap, routing
+from ds_plugins import agreement, collectives, experts, overlap, routing
 from ds_plugins.dispatch import combine, dispatch
 
 
@@ -63,7 +69,7 @@ def deepspeed(layer, x: torch.Tensor, used_token: torch.Tensor | None):
     r = routing.route(layer.gate, x, used_token)                                 # duplicated N×
     if layer.debug:
         routing.check_consistent(r, g.mp)
-    c = r.capacity if layer.gate.drop_tokens else routing.agree_capacity(r.capacity, [g.ep], x.device)
+    c = r.capacity if layer.gate.drop_tokens else agreement.capacity(r.capacity, g, x.device)
     if g.mp is not None and g.esp is None:
         # TP attention, unsharded experts: DeepSpeed then already dropped the MP duplicates before the A2A
         # and gathered after it (PR #2074, §2.1), in one piece: no chunks, nothing overlapped.
@@ -83,28 +89,19 @@ def s2(layer, x: torch.Tensor, used_token: torch.Tensor | None):
     r = routing.route(layer.gate, x, used_token)                                 # 1: duplicated N×
     if layer.debug:
         routing.check_consistent(r, g.mp)
-    c = r.capacity if layer.gate.drop_tokens else routing.agree_capacity(r.capacity, [g.ep], x.device)
+    c = r.capacity if layer.gate.drop_tokens else agreement.capacity(r.capacity, g, x.device)
     lay = _layout(layer, c, mp_split=True)                                       # 2-8: split, A2A, AG, RS,
     return _expert_pass(layer, x, r, lay), r.l_aux, r.exp_counts                 #      A2A, AG(mp); 9
 
 
 def s1(layer, x: torch.Tensor, used_token: torch.Tensor | None):
     """S1 (§2.3): MP off before the gate (token split), on after combine (AG over MP)."""
-    g, gate, tokens = layer.parm_groups, layer.gate, x.shape[0]
-    mine = math.ceil(tokens / g.mp_size)
-    if gate.k == 1 and tokens // g.mp_size < gate.min_capacity:
-        raise ValueError(f"schedule 's1' gates {tokens // g.mp_size} tokens per MP rank ({tokens} / "
-                         f"{g.mp_size}), fewer than min_capacity={gate.min_capacity}; use 's2' or lower "
-                         "min_capacity")
+    g, tokens = layer.parm_groups, x.shape[0]
     x_l = collectives.split_rows(x, g.mp)                                        # 0: S -> S/N tokens
-    used_l = None if used_token is None or g.mp is None else used_token.tensor_split(g.mp_size)[g.mp_rank]
-    weight = collectives.copy_to(gate.wg.weight, g.mp)                           # gate grads: AR(mp), §2.7
-    r = routing.route(gate, x_l, used_l, weight)                                 # 1: on S/N tokens
-    l_aux, counts = routing.full_batch_loss(gate, r, x_l.shape[0], tokens, g.mp)
-    c = routing.drop_capacity(gate, mine) if gate.drop_tokens else \
-        routing.agree_capacity(r.capacity, [g.ep, g.mp], x.device)
+    r, mine = routing.route_shard(layer.gate, x_l, tokens, used_token, g.mp, g.mp_rank, g.mp_size)
+    c = agreement.capacity(mine, g, x.device)                                    # 1: GEMM on S/N, gating on S
     out_l = _expert_pass(layer, x_l, r, _layout(layer, c, mp_split=False))       # 2-7
-    return collectives.gather_rows(out_l, g.mp, tokens), l_aux, counts           # 8: AG(mp), S·M
+    return collectives.gather_rows(out_l, g.mp, tokens), r.l_aux, r.exp_counts   # 8: AG(mp), S·M
 
 
 SCHEDULES = {"deepspeed": deepspeed, "s1": s1, "s2": s2}

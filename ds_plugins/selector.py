@@ -1,14 +1,26 @@
-"""The "auto" schedule: S1 or S2 per layer shape, by the alpha-beta model fitted on the real groups.
+"""The "auto" schedule: S1 or S2 per layer shape, by the alpha-beta model fitted on the layer's own groups.
 
-At the first "auto" forward of a layout (MP, ESP, EP sizes) every rank runs a short micro-benchmark
-(about a second): each collective the schedules use, on the layer's own process groups, at a few sizes
-(FSMoE §6.2: fp32 buffers, median of a few runs, least-squares α and β); two collectives on different
-groups at once, for the overlap inefficiency γ; a GEMM and a gather, for the local work. The fitted
-parameters are averaged over the world, so that every rank predicts the same times and picks the same
-schedule (a split decision would deadlock), then cached in this process and, when ``cost_cache`` names a
-file, in that JSON file (all ranks read it only if all of them have it).
+The choice is a pure function of values every rank of the layer agrees on, so that no two ranks can pick
+different schedules (which would deadlock) and no forward issues a collective outside the layer's groups
+(under pipeline parallelism the other stages are busy with other layers):
 
-For each new layer shape the choice and both predicted times are printed once, by global rank 0.
+- the fitted costs: when the layer is set up (``set_deepspeed_parallelism``, which ``deepspeed.initialize``
+  and ``ds_plugins.initialize`` call), every rank of the layer runs a short micro-benchmark (about a
+  second): each collective the schedules use, on the layer's own process groups, at a few sizes
+  (FSMoE §6.2: fp32 buffers, median of a few runs, least-squares α and β); two collectives on different
+  groups at once, for the overlap inefficiency γ; a GEMM, a copy and dispatch + combine forward and
+  backward (called directly, without autograd), for the local work. The parameters are then MAX-reduced
+  over the layer's MP and EP groups (the slowest rank sets a layer's pace; MAX is exact, so every rank
+  holds bit-identical numbers), cached in this process per layout and, when ``cost_cache`` names a file,
+  in that JSON file (read only if every rank of the layer has it, and MAX-reduced all the same);
+- the layer shape: the token count agreed by ds_plugins.agreement (never the local count alone), and the
+  layer's configuration.
+
+Fitting needs no autograd, so it also works under ``torch.no_grad()`` and ``torch.inference_mode()``, and
+leaves the RNG state as it found it (its random buffers must not change the gate's draws); a layer
+switched to "auto" after its set-up fits at its first forward, on its own groups. The choice is cached
+per (layout, shape); for each new one the choice and both predicted times are printed once, by the
+layer's first rank.
 """
 
 from __future__ import annotations
@@ -23,9 +35,9 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from commweave import comm, cost
-from ds_plugins import cost_model
+from ds_plugins import cost_model, reference
 from ds_plugins.cost_model import LayerShape, OpCosts
-from ds_plugins.dispatch import combine, dispatch
+from ds_plugins.dispatch import backend, combine, dispatch
 
 SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 21)
 """fp32 elements per micro-benchmark buffer (256 KiB to 8 MiB)."""
@@ -56,18 +68,28 @@ def _call(kind: str, group, x: torch.Tensor):
 
 
 def _route_step(tokens: int, device: torch.device, hidden: int = 512, experts: int = 8, k: int = 2):
-    """(dispatch + combine forward and backward of ``tokens`` top-k routes, its n bytes: (k·S + E·C)·M·4)."""
+    """(dispatch + combine forward and backward of ``tokens`` top-k routes, its n bytes: (k·S + E·C)·M·4).
+
+    The backward kernels are called directly, not through autograd, so that fitting works in any grad mode.
+    """
     per_route = -(-tokens // experts)
     capacity = k * per_route
-    x = torch.randn(tokens, hidden, device=device, requires_grad=True)
+    x = torch.randn(tokens, hidden, device=device)
     t, j = torch.arange(tokens, device=device), torch.arange(k, device=device)[:, None]
     indices = ((t + j) % experts).int()                    # route j of token t: expert t + j, each slot once
     locations = (j * per_route + t // experts).int()
     gates = torch.rand(k, tokens, device=device)
+    torch_path = backend(device) == "torch"
 
     def step() -> None:
         buf = dispatch(x, indices, locations, experts, capacity)
-        combine(buf, indices, locations, gates).sum().backward()
+        dy = combine(buf, indices, locations, gates)
+        if torch_path:
+            grad_buf, _ = reference.combine_backward(dy, buf, indices, locations, gates)
+            reference.dispatch_backward(grad_buf, indices, locations, tokens)
+        else:
+            grad_buf, _ = torch.ops.commweave.combine_backward(dy, buf, indices, locations, gates, True, True)
+            torch.ops.commweave.dispatch_backward(grad_buf, indices, locations, tokens)
     return step, (k * tokens + experts * capacity) * hidden * 4
 
 
@@ -93,11 +115,11 @@ class _Bench:
         if self.device.type != "cpu":
             get_accelerator().synchronize()
 
-    def time(self, fn, group=None) -> float:
-        """Median wall time of ``fn``; with a group, its ranks line up (a one-element all-reduce) first."""
+    def time(self, fn, groups=()) -> float:
+        """Median wall time of ``fn``; the ranks of ``groups`` line up (one-element all-reduces) first."""
         times = []
         for _ in range(REPEATS):
-            if group is not None:
+            for group in groups:
                 comm.all_reduce(torch.zeros(1, device=self.device), group)
             self._sync()
             t0 = time.perf_counter()
@@ -116,7 +138,7 @@ class _Bench:
         for n in SIZES:
             fn, nbytes = _call(kind, group, torch.randn(n, device=self.device))
             sizes.append(nbytes)
-            times.append(self.time(fn, group))
+            times.append(self.time(fn, [group]))
         return cost.fit(sizes, times).model
 
     def overlap(self, ops: dict[str, cost.AlphaBeta]) -> float:
@@ -141,7 +163,8 @@ class _Bench:
 
         def both():
             comm.wait_all([first(async_op=True), second(async_op=True)])
-        gamma = (self.time(both, dist.group.WORLD) - max(alone)) / max(min(alone), 1e-9)
+        lineup = [group for group in (self.g.mp, self.g.ep) if group is not None]
+        gamma = (self.time(both, lineup) - max(alone)) / max(min(alone), 1e-9)
         return min(max(gamma, 0.0), 1.0)
 
     def local(self) -> dict[str, cost.AlphaBeta]:
@@ -190,33 +213,61 @@ def _read_cache(path: str | None, key: str) -> OpCosts | None:
 
 
 def _write_cache(path: str, key: str, c: OpCosts) -> None:
+    """Add ``key`` to the JSON file, replaced atomically (the first ranks of several layers may write)."""
     data = {}
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
     data[key] = _to_tensor(c).tolist()
-    with open(path, "w") as f:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _max_over_layer(t: torch.Tensor, g) -> torch.Tensor:
+    """MAX over the layer's MP then EP group: the same on every rank of the layer (ds_plugins.agreement)."""
+    for group in (g.mp, g.ep):
+        if group is not None:
+            comm.all_reduce(t, group, op="max")
+    return t
+
+
+def _own_rng(device: torch.device):
+    """The micro-benchmark's random buffers must not move the model's RNG: "auto" must route (Gumbel
+    sampling, RTS, jitter) exactly as every other schedule and as DeepSpeed's MoE."""
+    if device.type == "cpu":
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(devices=[device], device_type=device.type)
 
 
 def fitted_costs(g, cache_file: str | None = None, device: torch.device | None = None) -> OpCosts:
-    """The layout's fitted costs: from this process, else the JSON cache, else measured (collective)."""
+    """The layout's fitted costs: from this process, else the JSON cache, else measured.
+
+    Collective over the layer's groups ``g`` (never the world) unless this process has them already;
+    needs no autograd.
+    """
     device = torch.device("cpu") if device is None else device
     key = layout_key(g)
     if key in _fitted:
         return _fitted[key]
     cached = _read_cache(cache_file, key)
     have = torch.tensor([0 if cached is None else 1], device=device)
-    comm.all_reduce(have, dist.group.WORLD, op="min")
-    if have.item():
-        _fitted[key] = cached
-        return cached
-    params = _to_tensor(_Bench(g, device).measure()).to(device)
-    comm.all_reduce(params, dist.group.WORLD)
-    _fitted[key] = _from_tensor(params.cpu() / comm.size(dist.group.WORLD))
-    if cache_file is not None and dist.get_rank() == 0:
+    if _max_over_layer(-have, g).item() < 0:                 # MIN: every rank of the layer has the file
+        params = _to_tensor(cached)
+    else:
+        with torch.no_grad(), _own_rng(device):
+            params = _to_tensor(_Bench(g, device).measure())
+    _fitted[key] = _from_tensor(_max_over_layer(params.to(device), g).cpu())
+    if cache_file is not None and g.mp_rank == 0 and g.ep_rank == 0 and cached is None:
         _write_cache(cache_file, key, _fitted[key])
     return _fitted[key]
+
+
+def fit(layer) -> None:
+    """Fit the layer's layout at set-up (nothing to fit without MP: then S1 and S2 are one schedule)."""
+    if layer.parm_groups.mp_size > 1:
+        fitted_costs(layer.parm_groups, layer.cost_cache, layer.gate.wg.weight.device)
 
 
 def layer_shape(layer, tokens: int, dtype: torch.dtype) -> LayerShape:
@@ -236,21 +287,24 @@ def _ffn_of(expert, hidden: int) -> int:
     return max(1, sum(p.numel() for p in expert.parameters()) // (2 * hidden))
 
 
-def choose(layer, x: torch.Tensor) -> str:
-    """"s1" or "s2" for this layer and input [S, M]; identical on every rank (see the module docstring)."""
-    g, gate, tokens = layer.parm_groups, layer.gate, x.shape[0]
+def choose(layer, tokens: int, dtype: torch.dtype) -> str:
+    """"s1" or "s2" for this layer and ``tokens`` agreed over its ranks (ds_plugins.agreement).
+
+    A pure function of that agreed count, the layer's configuration and the costs fitted at set-up, so it
+    is the same on every rank of the layer and issues no collective (unless the layer was switched to
+    "auto" after its set-up: then the first call fits, on the layer's own groups).
+    """
+    g = layer.parm_groups
     if g.mp_size == 1:
         return "s2"  # without MP, S1 and S2 are the same schedule
-    if gate.k == 1 and tokens // g.mp_size < gate.min_capacity:
-        return "s2"  # S1's shards would fall below DeepSpeed's min_capacity
-    sh = layer_shape(layer, tokens, x.dtype)
+    sh = layer_shape(layer, tokens, dtype)
     key = (layout_key(g), sh)
     if key not in _decisions:
-        costs = fitted_costs(g, layer.cost_cache, x.device)
+        costs = fitted_costs(g, layer.cost_cache, layer.gate.wg.weight.device)
         t = {s: cost_model.predict(s, sh, costs).total for s in ("s1", "s2")}
         choice = min(t, key=t.get)
         _decisions[key] = {"choice": choice, "predicted_s": t}
-        if dist.get_rank() == 0:
+        if g.mp_rank == 0 and g.ep_rank == 0:
             print(f"[parm] auto: {choice} for tokens={tokens} M={sh.hidden} H={sh.ffn} E={sh.experts} "
                   f"k={sh.k} "
                   f"cf={sh.capacity_factor} mp={sh.mp} esp={sh.esp} ep={sh.ep}: predicted forward+backward "

@@ -12,7 +12,8 @@ The model is an embedding, ``--layers`` pre-norm residual blocks whose feed-forw
 ``deepspeed.moe.layer.MoE`` (experts ``Linear -> GELU -> Linear``, sharded over the tensor-parallel group by
 Parm), and a head; the task is a fixed random next-token map, so the loss falls within a few steps. The
 model is written against DeepSpeed's MoE; ``ds_plugins.initialize`` swaps in ParmMoE when the config's
-``"parm"`` section is enabled. Rank 0 prints the loss of every step and the schedule each layer ran.
+``"parm"`` section is enabled. Rank 0 prints the loss of every step, an eval loss every ``--eval-every``
+steps (``engine.eval()`` under ``torch.no_grad()``, on a held-out batch) and the schedule each layer ran.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=5, help="steps between eval passes (0: none)")
     p = deepspeed.add_config_arguments(p)
     args = p.parse_args()
 
@@ -90,6 +92,9 @@ def main() -> None:
     g.manual_seed(mpu.get_data_parallel_rank())
     batch = engine.train_micro_batch_size_per_gpu()
     rank0 = torch.distributed.get_rank() == 0
+    held_out = torch.randint(args.vocab, (batch, args.seq),
+                             generator=torch.Generator().manual_seed(99 + mpu.get_data_parallel_rank()))
+    held_out = held_out.to(engine.device)
     for step in range(args.steps):
         tokens = torch.randint(args.vocab, (batch, args.seq), generator=g).to(engine.device)
         loss = engine(tokens, successor.to(engine.device)[tokens])
@@ -97,6 +102,13 @@ def main() -> None:
         engine.step()
         if rank0:
             print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            engine.eval()
+            with torch.no_grad():
+                eval_loss = engine(held_out, successor.to(engine.device)[held_out])
+            engine.train()
+            if rank0:
+                print(f"step {step:3d}  eval loss {eval_loss.item():.4f}", flush=True)
     if rank0:
         ran = [getattr(block.moe, "last_schedule", None) or "deepspeed (MoE not swapped)"
                for block in engine.module.blocks]

@@ -1,13 +1,16 @@
 """ATLAS: training one model across data centers with DeepSpeed and Megatron (arXiv 2411.14458).
 
-    topology.py  the topology file (DCs, hosts, slots, WAN rtt/bandwidth), validated
+    topology.py  the topology file (DCs, hosts, slots, WAN rtt/bandwidth), validated field by field
     estimate.py  the planner's cost model; simulate.py its discrete-event iteration simulator
     plan.py      Algorithm 1 placement + search -> pp/tp/dp, stage-to-DC map, DC-ordered hostfile
-    sockets.py   multi-TCP settings (NCCL socket knobs, gloo devices) and TCP sysctl advice
-    striping.py  k-connection gloo WAN groups, transfers striped by tag
-    sharing.py   temporal WAN sharing: token rings over the DP senders of a boundary
+    sockets.py   multi-TCP settings (NCCL socket knobs, gloo devices), NCCL buffer memory, TCP sysctl advice
+    striping.py  k-connection gloo WAN groups, transfers striped by tag, each stripe's connection known
+    recovery.py  a broken or stalled WAN connection: reported, re-opened by both ranks, sent again
+    sharing.py   temporal WAN sharing: token rings (one group per ring and direction) over the DP senders
     wan_p2p.py   DeepSpeed's and Megatron's pipeline p2p patched onto the two above (with undo)
-    runtime.py   what a training script calls on every rank
-    runner.py    ``deepspeed-atlas`` / ``python -m launch``: plan -> hostfile + env -> DeepSpeed's runner
-    netns.py, wanemu.py  one-machine clusters and an emulated WAN (tests and benchmarks)
+    runtime.py   what a training script calls on every rank (rank/local rank from every launcher)
+    runner.py    ``deepspeed-atlas`` / ``python -m launch``: checks -> plan -> hostfile + env -> DeepSpeed
+    launchers.py each DeepSpeed --launcher carried safely (pdsh, openmpi, slurm, mpich, impi) or refused
+    dryrun.py    ``deepspeed-atlas --dry-run``: per node, the command, environment and hostfile
+    netns.py, wanemu.py  one-machine clusters and an emulated WAN with cut/stall faults (tests, benchmarks)
 """

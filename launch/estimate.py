@@ -13,15 +13,18 @@ Per transformer layer (h = hidden, s = sequence, b = micro-batch, n = bytes per 
 Per stage: t_f = layers·F/(tp·flops) + TP comm, t_b = 2·layers·F/(tp·flops) + TP comm; every
 boundary carries A = b·s·h·n bytes per micro-batch each way; the stage's DP all-reduce moves
 layers·P/tp·n bytes over the DC's network. Memory: weights + grads in n bytes and fp32 Adam state
-(12 bytes) per parameter, plus 1F1B's in-flight activations (stage s keeps min(pp − s, M) micro-batches).
+(12 bytes) per parameter, plus 1F1B's in-flight activations (stage s keeps min(pp − s, M) micro-batches),
+plus NCCL's staging buffers (launch.sockets.nccl_buffer_memory: NCCL_BUFFSIZE on every communicator).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 
 from commweave import cost
 from launch.simulate import Link, Pipeline, simulate
+from launch.sockets import nccl_buffer_memory, nccl_buffsize, nccl_communicators
 from launch.topology import DataCenter, Topology
 
 _MODEL_KEYS = {"layers", "hidden", "seq", "micro_batch", "global_batch", "dtype_bytes", "pp", "tp", "dp"}
@@ -121,7 +124,7 @@ def layout_pipeline(topo: Topology, model: ModelSpec, stage_dc: list[str], tp: i
         params = n_layers * model.layer_params / tp
         in_flight = min(pp - s, M)
         acts = in_flight * n_layers * 34 * model.seq * model.micro_batch * model.hidden / tp
-        memory = max(memory, params * (2 * model.dtype_bytes + 12) + acts)
+        memory = max(memory, params * (2 * model.dtype_bytes + 12) + acts + _nccl(topo, stage_dc, s, tp, dp))
     links = []
     for s in range(pp - 1):
         a, b = stage_dc[s], stage_dc[s + 1]
@@ -170,6 +173,15 @@ def estimate(topo: Topology, model: ModelSpec, stage_dc: list[str], tp: int, dp:
         return Estimate(closed, closed, False, busy * pipe.micro_batches / (len(stage_dc) * closed), memory)
     res = simulate(pipe)
     return Estimate(res.iteration, closed, True, res.utilisation, memory)
+
+
+def _nccl(topo: Topology, stage_dc: list[str], s: int, tp: int, dp: int) -> float:
+    """NCCL's staging buffers on a GPU of stage s (launch.sockets.nccl_buffer_memory): NCCL_BUFFSIZE is
+    raised for the WAN and applies to every communicator the GPU uses."""
+    pp = len(stage_dc)
+    crossed = [topo.link(a, b) for a, b in itertools.pairwise(stage_dc) if a != b]
+    neighbours = sum(0 <= n < pp and stage_dc[n] != stage_dc[s] for n in (s - 1, s + 1))
+    return nccl_buffer_memory(nccl_buffsize(crossed), nccl_communicators(pp, tp, dp, s, neighbours))
 
 
 def _dp_link(dc: DataCenter, tp: int, dp: int) -> cost.AlphaBeta:

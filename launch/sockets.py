@@ -8,8 +8,12 @@ host; :mod:`launch.striping` opens the gloo connections and splits transfers acr
 NCCL (``src/transport/net_socket.cc``): ``NCCL_SOCKET_NTHREADS`` ≤ 16 helper threads, each driving
 ``NCCL_NSOCKS_PERTHREAD`` sockets, at most 64 sockets per connection (a static array); NCCL splits
 every message across them. The settings are process-wide but only the socket transport reads them,
-so with Megatron's per-group NCCL config (``net_name: socket`` for the pipeline groups, which are the
-only groups that cross the WAN, IB for the rest) they apply exactly to the WAN groups.
+so with Megatron's per-group NCCL config (``net_name: socket``) on every group that crosses the WAN
+(:func:`megatron_nccl_config`) and ATLAS's own WAN pair groups created with the same option
+(:func:`launch.striping.nccl_wan_options`), they apply to the WAN groups while the others keep IB.
+``NCCL_BUFFSIZE`` is process-wide too (NCCL's per-communicator config has no buffer size): raising it
+for the WAN raises every communicator's staging buffers, which :func:`nccl_buffer_memory` charges
+to the planner's memory estimate.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from launch.topology import WanLink
 
 NCCL_MAX_SOCKETS = 64
 NCCL_MAX_THREADS = 16
+NCCL_DEFAULT_BUFFSIZE = 4 * 2**20
+NCCL_CHANNELS = 2            # NCCL_NCHANNELS_PER_NET_PEER's default
+MEGATRON_WAN_GROUPS = ("pp", "mp", "embd", "pos_embd", "tp_ep_pp")   # megatron-core 0.16.1 names
 MAX_SOCKS_PER_THREAD = 8     # AWS's default split is 2 threads x 8 sockets; more per thread starves it
 
 # Effective window of one connection = this fraction of the socket buffer maximum: Linux keeps part
@@ -72,12 +79,7 @@ def nccl_env(connections: int, links: list[WanLink], env: Mapping[str, str]) -> 
     threads, socks = nccl_split(connections)
     out = {"NCCL_SOCKET_NTHREADS": str(threads), "NCCL_NSOCKS_PERTHREAD": str(socks)}
     if links:
-        # NCCL keeps at most NCCL_BUFFSIZE in flight per channel (its credit protocol), so one
-        # channel carries <= BUFFSIZE/RTT: raise it towards the path's BDP (inferred, atlas.md §2.2),
-        # capped at 64 MiB of GPU memory per channel and peer.
-        bdp = max(w.bdp for w in links)
-        buff = min(64 * 2**20, max(4 * 2**20, 2 ** math.ceil(math.log2(bdp))))
-        out["NCCL_BUFFSIZE"] = str(buff)
+        out["NCCL_BUFFSIZE"] = str(nccl_buffsize(links))
     for key in list(out):
         if key in env:
             out[key] = env[key]
@@ -85,12 +87,45 @@ def nccl_env(connections: int, links: list[WanLink], env: Mapping[str, str]) -> 
     return out
 
 
+def nccl_buffsize(links: list[WanLink], env: Mapping[str, str] | None = None) -> int:
+    """``NCCL_BUFFSIZE`` for WAN links: NCCL keeps at most BUFFSIZE in flight per channel (its credit
+    protocol), so one channel carries <= BUFFSIZE/RTT: raised towards the path's BDP (inferred, atlas.md
+    §2.2), between NCCL's default 4 MiB and 64 MiB; a user-set value wins."""
+    env = os.environ if env is None else env
+    if "NCCL_BUFFSIZE" in env:
+        return _int_env(env, "NCCL_BUFFSIZE")
+    if not links:
+        return NCCL_DEFAULT_BUFFSIZE
+    bdp = max(w.bdp for w in links)
+    return min(64 * 2**20, max(NCCL_DEFAULT_BUFFSIZE, 2 ** math.ceil(math.log2(bdp))))
+
+
+def nccl_communicators(pp: int, tp: int, dp: int, stage: int, wan_neighbours: int) -> int:
+    """NCCL communicators a GPU of ``stage`` uses in a Megatron/DeepSpeed step on an ATLAS layout: the
+    world, tp, dp, pp and Megatron's model-parallel (tp x pp) group where they have more than one rank,
+    the embedding group on the first and last stage, and per WAN neighbour ATLAS's pair group and (with
+    several replicas) that direction's token ring."""
+    count = 1 + (tp > 1) + (dp > 1) + (pp > 1) + (tp * pp > 1) + (pp > 1 and stage in (0, pp - 1))
+    return count + wan_neighbours * (1 + (dp > 1))
+
+
+def nccl_buffer_memory(buffsize: int, communicators: int, channels: int = NCCL_CHANNELS) -> float:
+    """GPU memory of NCCL's staging buffers on one GPU: every communicator holds, per channel, a buffer
+    of NCCL_BUFFSIZE for each direction to each of its two ring neighbours (or p2p peers): 4 x channels
+    x BUFFSIZE. ``channels``: NCCL's per-peer default for network transfers; intra-node collectives may
+    open more (up to 32), so this is a lower bound for them."""
+    return 4.0 * channels * buffsize * communicators
+
+
 def megatron_nccl_config(wan: bool) -> str:
-    """YAML for Megatron's ``--nccl-communicator-config-path``: the groups that cross the WAN use
-    NCCL's socket transport (where the NSOCKS/NTHREADS knobs act), the others keep IB."""
+    """YAML for Megatron's ``--nccl-communicator-config-path``: every group Megatron creates that
+    crosses the WAN with pipe outermost (pp; mp = tp x pp; the embedding groups of the first and last
+    stage; tp_ep_pp) uses NCCL's socket transport (where the NSOCKS/NTHREADS knobs act); the groups
+    inside a stage (tp, dp, cp, ep, ...) keep IB. The world group crosses the WAN too but is created by
+    ``init_process_group``, not by Megatron: pass ``pg_options=launch.striping.nccl_wan_options()``."""
     if not wan:
         return ""
-    return "".join(f"{g}:\n  net_name: socket\n" for g in ("pp", "embd", "pos_embd"))
+    return "".join(f"{g}:\n  net_name: socket\n" for g in MEGATRON_WAN_GROUPS)
 
 
 def gloo_ifname(ifname: str, devices: int) -> str:
@@ -170,22 +205,78 @@ def established_connections(remote: set[str] | None = None, net_dir: str = "/pro
     """ESTABLISHED IPv4 TCP connections in a network namespace's view (``/proc/<pid>/net/tcp``):
     only those whose socket the process of ``fd_dir`` holds (None: all), and only to the ``remote``
     addresses when given. How tests and benchmarks check that a WAN pair has k connections."""
-    inodes = None
-    if fd_dir is not None:
-        inodes = set()
-        for fd in os.listdir(fd_dir):
-            try:
-                target = os.readlink(os.path.join(fd_dir, fd))
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
+    inodes = None if fd_dir is None else socket_inodes(fd_dir)
     count = 0
     for line in Path(net_dir, "tcp").read_text().splitlines()[1:]:
         fields = line.split()
-        if fields[3] != "01" or (inodes is not None and fields[9] not in inodes):   # 01: ESTABLISHED
+        if fields[3] != "01" or (inodes is not None and int(fields[9]) not in inodes):   # 01: ESTABLISHED
             continue
         peer = socket.inet_ntoa(struct.pack("<I", int(fields[2].split(":")[0], 16)))
         if remote is None or peer in remote:
             count += 1
     return count
+
+
+def socket_inodes(fd_dir: str = "/proc/self/fd") -> set[int]:
+    """Inodes of the sockets this process holds."""
+    return set(_socket_fds(fd_dir))
+
+
+def _socket_fds(fd_dir: str = "/proc/self/fd") -> dict[int, int]:
+    out = {}
+    for fd in os.listdir(fd_dir):
+        try:
+            target = os.readlink(os.path.join(fd_dir, fd))
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out[int(target[8:-1])] = int(fd)
+    return out
+
+
+def group_sockets(before: set[int], net_dir: str = "/proc/self/net") -> tuple[list[int], list[tuple]]:
+    """The TCP sockets this process opened since ``before`` (:func:`socket_inodes`): the listening
+    ports in the order they were opened (gloo opens one per device, one device after the other), and
+    the ESTABLISHED connections as ``(local, remote, local port, remote port)``."""
+    fds = {ino: fd for ino, fd in _socket_fds().items() if ino not in before}
+    listeners, connections = [], []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        try:
+            lines = Path(net_dir, table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            inode = int(fields[9])
+            if inode not in fds:
+                continue
+            local, remote = _endpoint(fields[1], family), _endpoint(fields[2], family)
+            port = int(fields[1].split(":")[1], 16)
+            if fields[3] == "0A":                                  # LISTEN
+                listeners.append((fds[inode], port))
+            elif fields[3] == "01":                                # ESTABLISHED
+                connections.append((local, remote, port, int(fields[2].split(":")[1], 16)))
+    return [port for _, port in sorted(listeners)], connections
+
+
+def device_connections(mine: list[int], peers: list[int], connections: list[tuple]) -> list[str]:
+    """Each gloo device's connection of a two-rank group, ``"local:port->remote:port"``, in device order:
+    a connection this rank accepted arrived on its listener of that device, one it opened goes to the
+    peer's listener of that device (``mine``/``peers``: the listening ports in device order)."""
+    found = {}
+    for local, remote, local_port, remote_port in connections:
+        device = (mine.index(local_port) if local_port in mine else
+                  peers.index(remote_port) if remote_port in peers else None)
+        if device is not None:
+            found[device] = f"{local}->{remote}"
+    return [found.get(i, "?") for i in range(len(mine))]
+
+
+def _endpoint(hex_addr: str, family: int) -> str:
+    addr, port = hex_addr.split(":")
+    raw = bytes.fromhex(addr)
+    if family == socket.AF_INET:
+        host = socket.inet_ntop(family, raw[::-1])
+    else:   # /proc prints IPv6 as four host-order 32-bit words
+        host = "[" + socket.inet_ntop(family, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))) + "]"
+    return f"{host}:{int(port, 16)}"

@@ -16,9 +16,16 @@ is launched; every mistake is a ``ValueError`` that names the file, the entry, t
     }
 
 Rules: every pair of data centers has exactly one WAN entry (the pipeline may cross any pair the
-planner picks); a host name appears once in the whole file; slots are positive integers; rates and
-latencies are positive. ``model`` is optional here (``deepspeed-atlas --atlas-model FILE`` may supply
-it instead); its fields are documented on :class:`launch.plan.ModelSpec`. ``addr`` (the host's
+planner picks); a host name appears once in the whole file (DNS names ignore case); slots are
+positive integers; rates and latencies are positive. Names are checked against what the launchers
+that receive them accept, so that nothing in the file can become a shell word, an option, a comment,
+a second host or a second variable on a node (:func:`check_host_name` and its siblings): host names
+are RFC 1123 host names, ``addr`` a host name or an IP literal, ``ifname`` a Linux interface name, a
+data center name a plain identifier. The optional top-level ``timeout_s`` bounds every wait of the
+job's collectives (``COMMWEAVE_TIMEOUT_S``; ``deepspeed-atlas --atlas-timeout`` overrides it).
+
+``model`` is optional here (``deepspeed-atlas --atlas-model FILE`` may supply it instead); its
+fields are documented on :class:`launch.plan.ModelSpec`. ``addr`` (the host's
 address on the network the ranks use) lets the launcher pick ``--master_addr`` without ssh;
 ``ifname`` is the interface gloo and NCCL bind to in that data center. A WAN entry's optional
 ``window_mb`` is the effective TCP window of one connection on that path (the planner's per-connection
@@ -27,8 +34,10 @@ rate limit, window/RTT); without it the planner derives it from this host's TCP 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
+import re
 from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
@@ -37,7 +46,68 @@ _DC_KEYS = {"hosts", "ifname", "gpu_tflops", "gpu_memory_gb", "node_bandwidth_gb
             "intra_bandwidth_gbps", "intra_latency_us"}
 _HOST_KEYS = {"name", "slots", "addr"}
 _WAN_KEYS = {"between", "rtt_ms", "bandwidth_gbps", "window_mb"}
-_TOP_KEYS = {"datacenters", "wan", "model"}
+_TOP_KEYS = {"datacenters", "wan", "model", "timeout_s"}
+
+# RFC 1123 §2.1 host name: dot-separated labels of 1-63 ASCII letters, digits and hyphens, no label
+# starting or ending with a hyphen, 253 characters at most. Nothing else is allowed: no shell
+# metacharacter, no leading "-" (an ssh option), no "#" (a hostfile comment), no "," (a second host
+# for pdsh -w), no ":" or "@" (DeepSpeed's --include syntax), no space, quote or non-ASCII letter.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOST_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*", re.ASCII)
+HOST_NAME_RULE = ("an RFC 1123 host name: dot-separated labels of 1-63 letters, digits and '-', "
+                  "not starting or ending with '-', at most 253 characters")
+# Linux interface names (net/core/dev.c dev_valid_name): 1-15 bytes; the kernel also allows other
+# bytes, but no interface a topology names needs them, and every one of them is a hazard on a node.
+_IFNAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,14}", re.ASCII)
+IFNAME_RULE = ("a Linux interface name: 1-15 characters from A-Z a-z 0-9 _ . -, not starting "
+               "with '.' or '-'")
+_DC_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}", re.ASCII)
+DC_NAME_RULE = "a name of 1-63 characters from A-Z a-z 0-9 _ . -, not starting with '.' or '-'"
+
+
+def is_host_name(value) -> bool:
+    return isinstance(value, str) and len(value) <= 253 and _HOST_NAME.fullmatch(value) is not None
+
+
+def is_ip_literal(value) -> bool:
+    if not isinstance(value, str) or not value.isascii():
+        return False
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
+
+
+def check_host_name(value, where: str) -> str:
+    """``value`` if it is an RFC 1123 host name, else a ValueError naming ``where``, it and the rule."""
+    if not is_host_name(value):
+        raise ValueError(f"{where}: {value!r} is not {HOST_NAME_RULE}")
+    return value
+
+
+def check_addr(value, where: str) -> str:
+    """A host name or an IP literal (IPv4 or IPv6): what ``--master_addr`` and MASTER_ADDR accept."""
+    if not (is_host_name(value) or is_ip_literal(value)):
+        raise ValueError(f"{where}: {value!r} is neither {HOST_NAME_RULE} nor an IPv4/IPv6 address")
+    return value
+
+
+def check_ifname(value, where: str) -> str:
+    if not isinstance(value, str) or _IFNAME.fullmatch(value) is None:
+        raise ValueError(f"{where}: {value!r} is not {IFNAME_RULE}")
+    return value
+
+
+def check_seconds(value, where: str) -> float:
+    """A finite number of seconds > 0 (JSON number or decimal string)."""
+    try:
+        seconds = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{where}: {value!r} is not a finite number of seconds > 0")
+    return seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +163,7 @@ class Topology:
     wan: tuple[WanLink, ...]
     model: dict | None = None
     source: str = "<topology>"
+    timeout_s: float | None = None   # bound on every collective wait (COMMWEAVE_TIMEOUT_S)
 
     def dc(self, name: str) -> DataCenter:
         for d in self.datacenters:
@@ -150,6 +221,8 @@ def parse(raw: dict, source: str = "<topology>") -> Topology:
     dcs = []
     for name, d in dcs_raw.items():
         where = f"datacenters.{name}"
+        if not isinstance(name, str) or _DC_NAME.fullmatch(name) is None:
+            fail("datacenters", f"data center name {name!r} is not {DC_NAME_RULE}")
         if not isinstance(d, dict):
             fail(where, f"must be an object, got {d!r}")
         _no_unknown(d, _DC_KEYS, where, fail)
@@ -163,20 +236,23 @@ def parse(raw: dict, source: str = "<topology>") -> Topology:
                 fail(hw, f"must be an object {{name, slots[, addr]}}, got {h!r}")
             _no_unknown(h, _HOST_KEYS, hw, fail)
             hname, slots = h.get("name"), h.get("slots")
-            if not isinstance(hname, str) or not hname or any(c.isspace() for c in hname):
-                fail(f"{hw}.name", f"must be a host name without spaces, got {hname!r}")
-            if hname in seen_hosts:
-                fail(f"{hw}.name", f"host {hname!r} is already listed in data center {seen_hosts[hname]!r}")
+            if "name" not in h:
+                fail(f"{hw}.name", "is required (the host name the launcher reaches it by)")
+            if not is_host_name(hname):
+                fail(f"{hw}.name", f"{hname!r} is not {HOST_NAME_RULE}")
+            if hname.lower() in seen_hosts:
+                fail(f"{hw}.name", f"host {hname!r} is already listed in data center "
+                                   f"{seen_hosts[hname.lower()]!r} (host names ignore case)")
             if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
                 fail(f"{hw}.slots", f"must be a positive integer, got {slots!r}")
             addr = h.get("addr")
-            if addr is not None and (not isinstance(addr, str) or not addr):
-                fail(f"{hw}.addr", f"must be a non-empty string, got {addr!r}")
-            seen_hosts[hname] = name
+            if addr is not None and not (is_host_name(addr) or is_ip_literal(addr)):
+                fail(f"{hw}.addr", f"{addr!r} is neither {HOST_NAME_RULE} nor an IPv4/IPv6 address")
+            seen_hosts[hname.lower()] = name
             hosts.append(Host(hname, slots, name, addr))
         ifname = d.get("ifname")
-        if ifname is not None and (not isinstance(ifname, str) or not ifname or "," in ifname):
-            fail(f"{where}.ifname", f"must be one interface name, got {ifname!r}")
+        if ifname is not None and (not isinstance(ifname, str) or _IFNAME.fullmatch(ifname) is None):
+            fail(f"{where}.ifname", f"{ifname!r} is not one interface name, {IFNAME_RULE}")
         dcs.append(DataCenter(
             name, tuple(hosts), ifname,
             gpu_flops=_positive(d, "gpu_tflops", 100.0, where, fail) * 1e12,
@@ -196,7 +272,8 @@ def parse(raw: dict, source: str = "<topology>") -> Topology:
             fail(where, f"must be an object, got {w!r}")
         _no_unknown(w, _WAN_KEYS, where, fail)
         pair = w.get("between")
-        if not isinstance(pair, list) or len(pair) != 2 or pair[0] == pair[1]:
+        if (not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(p, str) for p in pair)
+                or pair[0] == pair[1]):
             fail(f"{where}.between", f"must name two different data centers, got {pair!r}")
         for dc in pair:
             if dc not in names:
@@ -216,7 +293,12 @@ def parse(raw: dict, source: str = "<topology>") -> Topology:
     model = raw.get("model")
     if model is not None and not isinstance(model, dict):
         fail("model", f"must be an object, got {model!r}")
-    return Topology(tuple(dcs), tuple(links.values()), model, source)
+    timeout = raw.get("timeout_s")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                or not math.isfinite(timeout) or timeout <= 0):
+        fail("timeout_s", f"{timeout!r} is not a finite number of seconds > 0")
+    return Topology(tuple(dcs), tuple(links.values()), model, source,
+                    None if timeout is None else float(timeout))
 
 
 def _no_unknown(d: dict, allowed: set, where: str, fail) -> None:

@@ -2,9 +2,12 @@
 over the k-connection WAN groups (:mod:`launch.striping`) and take turns on the link
 (:mod:`launch.sharing`). Pairs that stay inside a data center keep the original code path.
 
-Each patch checks its target's signature first (a DeepSpeed or Megatron release that changed the
-function is refused, not half-patched) and is undone by :meth:`WanP2P.undo`, which also drains the
-token rings. The routing sits *below* ``commweave.comm``'s callers in DeepSpeed and Megatron (their
+Each patch set checks every target's signature before it installs any (a DeepSpeed or Megatron
+release that changed a function is refused, not half-patched). :meth:`WanP2P.undo` is idempotent and
+always completes: it switches the routing off first (every replacement then passes straight through to
+the original), restores every attribute it still owns (one replaced again by someone else stays,
+passing through, with a warning), then collects the token rings once. The routing sits *below*
+``commweave.comm``'s callers in DeepSpeed and Megatron (their
 p2p functions are the only hook the pipeline engines expose); every transfer it makes still goes
 through ``commweave.comm`` on the WAN groups.
 """
@@ -12,14 +15,19 @@ through ``commweave.comm`` on the WAN groups.
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from commweave import comm
+from launch.plan import Plan
 from launch.sharing import TemporalSharing
 from launch.striping import WanGroups
+
+DEEPSPEED_PARAMS = {"send": ["tensor", "dest_stage", "async_op"], "recv": ["tensor", "src_stage", "async_op"]}
+MEGATRON_PARAMS = ["tensor_send_prev", "tensor_recv_prev", "tensor_send_next", "tensor_recv_next", "group",
+                   "prev_pipeline_rank", "next_pipeline_rank"]
 
 
 @dataclass
@@ -31,21 +39,26 @@ class Patch:
     replacement: object
     original: object
 
-    @classmethod
-    def install(cls, module, name: str, replacement, params: list[str]) -> Patch:
-        original = getattr(module, name)
-        found = list(inspect.signature(original).parameters)
+    @staticmethod
+    def check(module, name: str, params: list[str]) -> None:
+        found = list(inspect.signature(getattr(module, name)).parameters)
         if found != params:
             raise RuntimeError(f"cannot patch {module.__name__}.{name}: expected parameters {params}, "
                                f"found {found} (an unsupported DeepSpeed/Megatron version)")
+
+    @classmethod
+    def install(cls, module, name: str, replacement, params: list[str]) -> Patch:
+        cls.check(module, name, params)
+        original = getattr(module, name)
         setattr(module, name, replacement)
         return cls(module, name, replacement, original)
 
-    def undo(self) -> None:
+    def undo(self) -> bool:
+        """Restore the original; False (and nothing changed) where a later patch replaced ours."""
         if getattr(self.module, self.name) is not self.replacement:
-            raise RuntimeError(f"{self.module.__name__}.{self.name} was replaced again after ATLAS patched "
-                               "it; undo the later patch first")
+            return False
         setattr(self.module, self.name, self.original)
+        return True
 
 
 class _Done:
@@ -59,46 +72,54 @@ class _Done:
 
 
 @dataclass
-class _Works:
-    """Several stripes' Work handles behind one ``wait()``, as Megatron's callers expect."""
-
-    works: list
-
-    def wait(self) -> bool:
-        comm.wait_all(self.works)
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-
-@dataclass
 class WanP2P:
     wan: WanGroups
     sharing: TemporalSharing | None = None
     patches: list[Patch] = field(default_factory=list)
+    active: bool = True
+    plan: Plan | None = None
 
     def crosses(self, me: int, peer: int) -> bool:
-        return self.wan.group(me, peer) is not None
+        return self.active and self.wan.group(me, peer) is not None
 
     def post_send(self, tensor: torch.Tensor, me: int, peer: int):
         """Send over the WAN. With temporal sharing the transfer runs to completion while this rank
         holds its token (the next replica may only start once the link is free)."""
         ring = self.sharing.ring(me, peer) if self.sharing is not None else None
+        what = self._what("send", me, peer)
         if ring is None:
-            return _Works(self.wan.isend(tensor, me, peer))
+            return self.wan.isend(tensor, me, peer, what)
         ring.acquire()
-        comm.wait_all(self.wan.isend(tensor, me, peer))
+        self.wan.isend(tensor, me, peer, what).wait()
         ring.release()
         return _Done()
 
     def post_recv(self, tensor: torch.Tensor, me: int, peer: int):
-        return _Works(self.wan.irecv(tensor, me, peer))
+        return self.wan.irecv(tensor, me, peer, self._what("recv", me, peer))
+
+    def _what(self, kind: str, me: int, peer: int) -> str:
+        """The transfer in pipeline terms, for errors and reports."""
+        plan = self.plan
+        if plan is None:
+            return f"WAN {kind} between rank {me} and rank {peer}"
+        (s, d, _), (sp, _, _) = plan.coord(me), plan.coord(peer)
+        way = "to" if kind == "send" else "from"
+        return f"WAN {kind} of stage {s} replica {d} (rank {me}) {way} stage {sp} (rank {peer})"
 
     def undo(self) -> None:
-        """Restore the original functions (last patch first) and drain the token rings."""
+        """Switch the routing off, restore every patch (last first), collect the token rings. A second
+        call does nothing; a ring that fails to close still leaves every patch restored."""
+        if not self.active:
+            return
+        self.active = False
+        kept = []
         while self.patches:
-            self.patches.pop().undo()
+            patch = self.patches.pop()
+            if not patch.undo():
+                kept.append(f"{patch.module.__name__}.{patch.name}")
+        if kept:
+            warnings.warn(f"ATLAS undo: {', '.join(kept)} replaced again after ATLAS patched it; left in "
+                          "place (ATLAS's routing inside it is off)", RuntimeWarning, stacklevel=2)
         if self.sharing is not None:
             self.sharing.close()
 
@@ -123,16 +144,20 @@ class WanP2P:
                 return recv(tensor, src_stage, async_op)
             self.post_recv(tensor, me, peer).wait()
 
-        params = ["tensor", "dest_stage", "async_op"]
-        self.patches.append(Patch.install(p2p, "send", atlas_send, params))
-        self.patches.append(Patch.install(p2p, "recv", atlas_recv, ["tensor", "src_stage", "async_op"]))
+        self._install(p2p, [("send", atlas_send, DEEPSPEED_PARAMS["send"]),
+                            ("recv", atlas_recv, DEEPSPEED_PARAMS["recv"])])
+
+    def _install(self, module, patches: list) -> None:
+        """Check every signature, then install all (never half of a set)."""
+        for name, _, params in patches:
+            Patch.check(module, name, params)
+        for name, fn, params in patches:
+            self.patches.append(Patch.install(module, name, fn, params))
 
     # -- Megatron: megatron/core/pipeline_parallel/p2p_communication.py _p2p_ops, _batched_p2p_ops ---
     def patch_megatron(self) -> None:
         from megatron.core.pipeline_parallel import p2p_communication as mp
 
-        params = ["tensor_send_prev", "tensor_recv_prev", "tensor_send_next", "tensor_recv_next",
-                  "group", "prev_pipeline_rank", "next_pipeline_rank"]
         p2p_ops, batched = mp._p2p_ops, mp._batched_p2p_ops
 
         def atlas_p2p_ops(**kw):
@@ -145,8 +170,8 @@ class WanP2P:
             wan = self._take_wan(kw)
             return batched(**kw) + list(self._post(wan).values())
 
-        self.patches.append(Patch.install(mp, "_p2p_ops", atlas_p2p_ops, params))
-        self.patches.append(Patch.install(mp, "_batched_p2p_ops", atlas_batched_p2p_ops, params))
+        self._install(mp, [("_p2p_ops", atlas_p2p_ops, MEGATRON_PARAMS),
+                           ("_batched_p2p_ops", atlas_batched_p2p_ops, MEGATRON_PARAMS)])
 
     def _take_wan(self, kw: dict) -> dict:
         """Move the WAN-crossing tensors out of Megatron's keyword arguments."""

@@ -16,6 +16,14 @@ forwarder drops and TCP retransmissions after a run.
 
     python -m launch.wanemu forward --in-fd 3 --out-fd 4 --delay-ms 20 --queue-bytes N --stats FILE
 is the forwarder itself.
+
+Faults: :meth:`WanLink.fault` adds a rule for one TCP connection (its two ports) that fires once that
+connection has carried ``after_bytes`` of payload in one direction: ``cut`` replaces the packet by a
+reset to the receiver (queued behind the packets before it, so its sequence number is the one the
+receiver expects) and sends a reset straight back to the sender (its sequence number is the
+sender's acknowledgement), then drops the connection's packets; ``stall`` drops every later packet
+of that direction (a black hole: the sender's window fills and nothing moves). The forwarders read
+the rules file while they run and list the rules that fired in their stats.
 """
 
 from __future__ import annotations
@@ -90,7 +98,8 @@ class WanLink:
             for src, dst, label in ((0, 1, "ab"), (1, 0, "ba")):
                 cmd = [sys.executable, "-m", "launch.wanemu", "forward", "--in-fd", str(fds[src]),
                        "--out-fd", str(fds[dst]), "--delay-ms", str(self.rtt * 1e3 / 2),
-                       "--queue-bytes", str(queue), "--stats", str(self._stats / f"{label}.json")]
+                       "--queue-bytes", str(queue), "--stats", str(self._stats / f"{label}.json"),
+                       "--rules", str(self.rules)]
                 self.lab.spawn(cmd, pass_fds=fds, cwd=Path(__file__).resolve().parents[1])
         finally:
             for fd in fds:
@@ -130,6 +139,25 @@ class WanLink:
         rtt = float(self.a.run(sys.executable, "-c", code).stdout)
         return None if rtt < 0 else rtt
 
+    def fault(self, action: str, ports: tuple[int, int], after_bytes: int = 0) -> None:
+        """Break one TCP connection (by its two ports) once it carried ``after_bytes`` one way."""
+        if action not in ("cut", "stall"):
+            raise ValueError(f"WanLink.fault: action {action!r}: use 'cut' or 'stall'")
+        add_rule(self.rules, action, ports, after_bytes)
+
+    @property
+    def rules(self) -> Path:
+        return self._stats / "rules.json"
+
+    def fired(self) -> list[dict]:
+        """The fault rules that fired, with the direction and byte count they fired at."""
+        out = []
+        for label in ("ab", "ba"):
+            path = self._stats / f"{label}.json"
+            if path.exists():
+                out += [{**f, "direction": label} for f in json.loads(path.read_text()).get("fired", [])]
+        return out
+
     def drops(self) -> dict[str, int]:
         """Where packets went missing: TX drops of each TUN, tbf's drops (its queue overflowing: the
         congestion signal TCP is meant to see), forwarder queue drops, TCP retransmissions."""
@@ -153,7 +181,89 @@ class WanLink:
         shutil.rmtree(self._stats, ignore_errors=True)
 
 
-def forward(in_fd: int, out_fd: int, delay: float, queue_bytes: int, stats_path: str) -> None:
+def add_rule(path: Path, action: str, ports: tuple[int, int], after_bytes: int) -> None:
+    """Append a fault rule to a forwarders' rules file (atomically: they may read it at any time)."""
+    path = Path(path)
+    rules = json.loads(path.read_text()) if path.exists() else []
+    rules.append({"id": len(rules), "action": action, "ports": sorted(int(p) for p in ports),
+                  "after": int(after_bytes)})
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rules))
+    os.replace(tmp, path)
+
+
+def _checksum(data: bytes) -> int:
+    if len(data) % 2:
+        data += b"\0"
+    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+def _reset(src: bytes, dst: bytes, sport: int, dport: int, seq: int) -> bytes:
+    """An IPv4 TCP segment with only RST set, checksums filled in."""
+    tcp = struct.pack("!HHIIBBHHH", sport, dport, seq, 0, 5 << 4, 0x04, 0, 0, 0)
+    pseudo = src + dst + struct.pack("!BBH", 0, 6, len(tcp))        # the TCP checksum covers these too
+    tcp = tcp[:16] + struct.pack("!H", _checksum(pseudo + tcp)) + tcp[18:]
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(tcp), 0, 0x4000, 64, 6, 0, src, dst)
+    return ip[:10] + struct.pack("!H", _checksum(ip)) + ip[12:] + tcp
+
+
+@dataclass
+class _Faults:
+    """The rules file as one forwarder applies it to its direction."""
+
+    path: str | None
+    rules: list = field(default_factory=list)
+    carried: dict = field(default_factory=dict)     # rule id -> payload bytes seen
+    dead: dict = field(default_factory=dict)        # (src, dst, sport, dport) -> action
+    fired: list = field(default_factory=list)
+    mtime: float = -1.0
+    checked: float = 0.0
+
+    def reload(self, now: float) -> None:
+        if self.path is None or now - self.checked < 0.05:
+            return
+        self.checked = now
+        try:
+            mtime = os.stat(self.path).st_mtime
+        except FileNotFoundError:
+            return
+        if mtime != self.mtime:
+            self.mtime, self.rules = mtime, json.loads(Path(self.path).read_text())
+
+    def apply(self, pkt: bytes) -> tuple[str, bytes | None, bytes | None]:
+        """("pass" | "drop" | "cut", reset for the receiver, reset for the sender)."""
+        if not self.rules or len(pkt) < 40 or pkt[0] >> 4 != 4 or pkt[9] != 6:
+            return "pass", None, None
+        ihl = (pkt[0] & 0xF) * 4
+        src, dst = pkt[12:16], pkt[16:20]
+        sport, dport, seq, ack = struct.unpack("!HHII", pkt[ihl:ihl + 12])
+        flow = (src, dst, sport, dport)
+        if flow in self.dead:
+            return "drop", None, None
+        payload = struct.unpack("!H", pkt[2:4])[0] - ihl - (pkt[ihl + 12] >> 4) * 4
+        for rule in self.rules:
+            done = self.carried.get(rule["id"], 0) < 0                 # a rule fires once
+            if done or payload <= 0 or sorted((sport, dport)) != rule["ports"]:
+                continue
+            seen = self.carried.get(rule["id"], 0) + payload
+            self.carried[rule["id"]] = seen
+            if seen <= rule["after"]:
+                continue
+            self.carried[rule["id"]] = -1
+            self.dead[flow] = rule["action"]
+            self.fired.append({"id": rule["id"], "action": rule["action"], "ports": rule["ports"],
+                               "at": seen})
+            if rule["action"] == "stall":
+                return "drop", None, None
+            return "cut", _reset(src, dst, sport, dport, seq), _reset(dst, src, dport, sport, ack)
+        return "pass", None, None
+
+
+def forward(in_fd: int, out_fd: int, delay: float, queue_bytes: int, stats_path: str,
+            rules_path: str | None = None) -> None:
     """The delay line: read packets from ``in_fd``, write each to ``out_fd`` ``delay`` s later."""
     os.set_blocking(in_fd, False)
     # The emulated link stands for hardware: keep it from being starved by the processes it serves
@@ -163,6 +273,7 @@ def forward(in_fd: int, out_fd: int, delay: float, queue_bytes: int, stats_path:
     q: collections.deque = collections.deque()
     queued = moved = dropped = 0
     stop = False
+    faults = _Faults(rules_path)
 
     def on_term(signum, frame):
         nonlocal stop
@@ -171,22 +282,31 @@ def forward(in_fd: int, out_fd: int, delay: float, queue_bytes: int, stats_path:
     signal.signal(signal.SIGTERM, on_term)
 
     def save():
-        Path(stats_path).write_text(json.dumps({"moved": moved, "dropped": dropped}))
+        Path(stats_path).write_text(json.dumps({"moved": moved, "dropped": dropped, "fired": faults.fired}))
 
     last_save = time.monotonic()
     while not stop:
         timeout = max(0.0, q[0][0] - time.monotonic()) if q else 0.5
         try:
-            ready, _, _ = select.select([in_fd], [], [], timeout)
+            ready, _, _ = select.select([in_fd], [], [], min(timeout, 0.05))
         except InterruptedError:
             continue
         now = time.monotonic()
+        faults.reload(now)
         if ready:
             for _ in range(256):
                 try:
                     pkt = os.read(in_fd, 65536)
                 except BlockingIOError:
                     break
+                verdict, to_receiver, to_sender = faults.apply(pkt)
+                if verdict == "drop":
+                    continue
+                if verdict == "cut":
+                    pkt = to_receiver                              # in the packet's place in the line
+                    with contextlib.suppress(OSError):
+                        os.write(in_fd, to_sender)                # straight back into the sender's stack
+                    save()
                 if queued + len(pkt) > queue_bytes:
                     dropped += 1
                     continue
@@ -215,8 +335,9 @@ def main(argv: list[str] | None = None) -> None:
     f.add_argument("--delay-ms", type=float, required=True)
     f.add_argument("--queue-bytes", type=int, required=True)
     f.add_argument("--stats", required=True)
+    f.add_argument("--rules", default=None, help="fault rules file (WanLink.fault)")
     args = ap.parse_args(argv)
-    forward(args.in_fd, args.out_fd, args.delay_ms / 1e3, args.queue_bytes, args.stats)
+    forward(args.in_fd, args.out_fd, args.delay_ms / 1e3, args.queue_bytes, args.stats, args.rules)
 
 
 if __name__ == "__main__":

@@ -22,12 +22,22 @@ def test_wavefront_is_the_saa_time_model():
     assert cost_model._wavefront(_only("gemm", 0.0), 1, [1.0, 3.0]) == 4
 
 
+def _without_agreement(schedule: str, sh: LayerShape, costs: OpCosts) -> float:
+    parts = predict(schedule, sh, costs).parts
+    return sum(v for part, v in parts.items() if part != "agree")
+
+
 def test_s1_and_s2_charge_n_times_fewer_all_to_all_bytes():
     a2a = _only("a2a@ep")
-    base = predict("deepspeed", SHAPE, a2a).total
-    for schedule in ("s1", "s2"):
-        assert base / predict(schedule, SHAPE, a2a).total == pytest.approx(SHAPE.mp)
+    base = _without_agreement("deepspeed", SHAPE, a2a)
+    assert base / _without_agreement("s2", SHAPE, a2a) == pytest.approx(SHAPE.mp)
+    # S1's buffer holds the routes one block of S/N tokens keeps per expert, k·S/E / N = 512 of C / N = 640
+    c, c1 = SHAPE.capacity(SHAPE.tokens), SHAPE.k * SHAPE.tokens // SHAPE.experts // SHAPE.mp
+    assert base / _without_agreement("s1", SHAPE, a2a) == pytest.approx(SHAPE.mp * c / (c1 * SHAPE.mp))
     assert predict("ds-installed", SHAPE, a2a).total == pytest.approx(base / SHAPE.mp)
+    # the agreement: one round (S) for S2, two (S, then S1's capacity) for S1, 48 bytes over EP each
+    assert predict("s2", SHAPE, a2a).parts["agree"] == 48
+    assert predict("s1", SHAPE, a2a).parts["agree"] == 96
 
 
 def test_mp_all_gather_volume_decides_between_s1_and_s2():
@@ -43,9 +53,12 @@ def test_skipping_charges_the_experts_the_filled_rows_only():
     # k = 2, f = 1.25: k·S/E = 1024 routes per expert and source fill 1024 of its C = 1280 slots (1/f);
     # DeepSpeed's own MoE runs every slot either way
     gemm = _only("gemm")
-    for schedule in ("s1", "s2", "deepspeed"):
+    for schedule in ("s2", "deepspeed"):
         every = predict(schedule, LayerShape(**{**SHAPE.__dict__, "skip_empty_slots": False}), gemm)
         assert predict(schedule, SHAPE, gemm).parts["experts"] == pytest.approx(every.parts["experts"] / 1.25)
+    # S1's buffer is sized by the routes its blocks keep (balanced: all of its slots hold one)
+    every = predict("s1", LayerShape(**{**SHAPE.__dict__, "skip_empty_slots": False}), gemm)
+    assert predict("s1", SHAPE, gemm).parts["experts"] == every.parts["experts"]
     all_slots = LayerShape(**{**SHAPE.__dict__, "skip_empty_slots": False})
     assert predict("ds-installed", SHAPE, gemm).total == predict("ds-installed", all_slots, gemm).total
     # f < 1: every slot holds a token, nothing to skip

@@ -197,3 +197,17 @@ def test_checked_routes_are_rechecked_after_an_in_place_change():
     idx[0, 1] = 9
     with pytest.raises(ValueError, match=r"indices\[0, 1\] = 9"):
         ops.dispatch(x, idx, loc, E, C)
+
+
+def test_inference_mode_routes_are_checked_every_time():
+    """Tensors made under torch.inference_mode have no version counter: the ops run, and check anew."""
+    x = torch.randn(S, M)
+    idx, loc, gates = _routes()
+    want = ops.combine(ops.dispatch(x, idx, loc, E, C), idx, loc, gates)
+    with torch.inference_mode():
+        idx_i, loc_i, x_i = idx.clone(), loc.clone(), x.clone()
+        got = ops.combine(ops.dispatch(x_i, idx_i, loc_i, E, C), idx_i, loc_i, gates)
+        loc_i[1, 3] = 0  # the same tensors, changed in place: a slot collision
+        with pytest.raises(ValueError, match="both claim expert 0, location 0"):
+            ops.dispatch(x_i, idx_i, loc_i, E, C)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

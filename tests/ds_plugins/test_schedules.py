@@ -169,7 +169,7 @@ def _ledger(tp: int, ep: int, shard: bool, tokens: int, k: int, cf: float, chunk
     use_layout(tp, ep, shard)
     torch.manual_seed(dist.get_rank() // tp)
     x, go = torch.randn(tokens, M), torch.randn(tokens, M)
-    sent, rows = {}, {}
+    sent, rows, c1 = {}, {}, {}
     for skip in (True, False):
         for schedule in ("deepspeed", "s1", "s2"):
             layer = ParmMoE(M, mlp(M, H), num_experts=E, ep_size=ep, k=k, capacity_factor=cf, min_capacity=0,
@@ -178,10 +178,27 @@ def _ledger(tp: int, ep: int, shard: bool, tokens: int, k: int, cf: float, chunk
             layer.set_deepspeed_parallelism()
             if schedule == "deepspeed":
                 rows[skip] = _live_rows(layer, x) if skip else [ep * _capacity(k, cf, tokens)] * (E // ep)
+            if schedule == "s1":
+                c1[skip] = _s1_capacity(layer, x, tp)
             with recording() as led:
                 _run(layer, x, go)
             sent[schedule, skip] = {key: v["sent"] for key, v in led.as_dict().items()}
-    return sent, rows
+    return sent, rows, c1
+
+
+def _s1_capacity(layer, x, tp: int) -> int:
+    """S1's buffer capacity, counted from the full batch's routes independently of the layer: the most
+    live routes one of the tp token blocks sends one expert, the largest over the EP group."""
+    torch.manual_seed(7)
+    r = routing.route(layer.gate, x)
+    blocks = torch.arange(x.shape[0]).tensor_split(tp)
+    block = torch.cat([torch.full((t.numel(),), q) for q, t in enumerate(blocks)])
+    live = r.indices >= 0
+    pairs = block.expand_as(r.indices)[live] * E + r.indices[live].long()
+    most = torch.bincount(pairs, minlength=tp * E).max().reshape(1)
+    if layer.ep_size > 1:
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=layer.deepspeed_moe.ep_group)
+    return int(most)
 
 
 def _live_rows(layer, x) -> list[int]:
@@ -197,9 +214,10 @@ def _live_rows(layer, x) -> list[int]:
 
 
 def _formula(schedule: str, tp: int, ep: int, shard: bool, tokens: int, k: int, cf: float,
-             chunks: int, rows: list[int], skip: bool = True) -> dict:
+             chunks: int, rows: list[int], c1: int, skip: bool = True) -> dict:
     """Bytes sent per rank in one forward + backward, parm.md §2 (forward) and §2.7 (backward); ``rows``:
-    the filled rows of each local expert ("deepspeed" all-reduces them inside the expert)."""
+    the filled rows of each local expert ("deepspeed" all-reduces them inside the expert); ``c1``: S1's
+    buffer capacity (drop mode: no capacity agreement for S2 and "deepspeed")."""
     n, p, s, b = tp, ep, tp if shard else 1, F32
     out: dict[str, int] = {}
 
@@ -207,20 +225,26 @@ def _formula(schedule: str, tp: int, ep: int, shard: bool, tokens: int, k: int, 
         if value:
             out[key] = out.get(key, 0) + value
 
+    def agree(values: int) -> None:                                  # ds_plugins.agreement, int64
+        add("all_reduce@mp", 2 * (2 * values * 8) * (n - 1) // n)
+        add("all_reduce@ep", 2 * (3 * values * 8) * (p - 1) // p)
+
+    agree(2)                                                          # S and the training flag
+
     if skip:                                                          # fill counts, E int32, forward
         add("all_to_all@ep", E * 4 - E * 4 // p)
         add("all_gather@esp", E * 4 * (s - 1) if schedule != "deepspeed" else 0)
     c = _capacity(k, cf, tokens)
     if schedule == "s1":
         mine = math.ceil(tokens / n)
-        c1 = _capacity(k, cf, mine)
+        agree(1)                                                      # S1's capacity
         v1 = E * _pad(c1, min(chunks, c1)) * M * b                    # V₁: the buffer of S/N tokens
         add("all_to_all@ep", 4 * (v1 - v1 // p))                      # A2A fwd x2, bwd x2
         add("all_gather@esp", 2 * v1 * (s - 1))                       # AG fwd, RS's dual bwd
         add("reduce_scatter@esp", 2 * v1 * (s - 1))                   # RS fwd, AG's dual bwd
-        add("all_gather@mp", 2 * mine * M * b * (n - 1))              # AG of S·M fwd, split's dual bwd
-        add("all_reduce@mp", 2 * (3 * E * b) * (n - 1) // n           # l_aux statistics fwd
-            + 2 * (E * M * b) * (n - 1) // n)                         # gate-weight gradient bwd
+        add("all_gather@mp", 2 * mine * M * b * (n - 1)               # AG of S·M fwd, split's dual bwd
+            + mine * E * F32 * (n - 1))                               # AG of the logits S·E, fwd
+        add("all_reduce@mp", 2 * (E * M * b) * (n - 1) // n)          # gate-weight gradient bwd
     elif schedule == "s2" or s == 1 < n:
         chunk = 1 if schedule == "deepspeed" else min(chunks, math.ceil(c / n))
         v = E * _pad(c, n * chunk) * M * b // n                       # V/N
@@ -242,15 +266,16 @@ def _pad(c: int, multiple: int) -> int:
 @pytest.mark.parametrize(("ranks", "tp", "ep", "shard"), LAYOUTS)
 def test_ledger_bytes_per_group_equal_formulas(world, ranks, tp, ep, shard):
     tokens, k, cf, chunks = 26, 2, 1.25, 3   # C = 9: odd, so S2 pads; S/N uneven for tp = 4
-    for rank, (sent, rows) in enumerate(world.run(_ledger, tp, ep, shard, tokens, k, cf, chunks)):
+    for rank, (sent, rows, c1) in enumerate(world.run(_ledger, tp, ep, shard, tokens, k, cf, chunks)):
         assert sum(rows[True]) < sum(rows[False]), rows   # cf 1.25: some slots stay empty
         for (schedule, skip), got in sent.items():
-            assert got == _formula(schedule, tp, ep, shard, tokens, k, cf, chunks, rows[skip], skip), \
-                (rank, schedule, skip)
+            want = _formula(schedule, tp, ep, shard, tokens, k, cf, chunks, rows[skip], c1[skip], skip)
+            assert got == want, (rank, schedule, skip)
 
 
 @pytest.mark.world_size(4)
 def test_ledger_unsharded_experts(world):
-    sent, rows = world.run(_ledger, 2, 2, False, 24, 2, 1.25, 2)[0]
+    sent, rows, c1 = world.run(_ledger, 2, 2, False, 24, 2, 1.25, 2)[0]
     for (schedule, skip), got in sent.items():
-        assert got == _formula(schedule, 2, 2, False, 24, 2, 1.25, 2, rows[skip], skip), (schedule, skip)
+        want = _formula(schedule, 2, 2, False, 24, 2, 1.25, 2, rows[skip], c1[skip], skip)
+        assert got == want, (schedule, skip)

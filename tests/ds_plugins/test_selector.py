@@ -1,9 +1,12 @@
-"""The "auto" selector: one fit per layout on the real groups, identical on every rank, cached in a file."""
+"""The "auto" selector: one fit per layout on the layer's own groups at set-up, identical on every rank of
+the layer, cached in a file; its choice from the agreed token count; no collective outside the layer's
+groups in a forward; fitting without autograd and without moving the RNG."""
 
 import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from commweave.ledger import recording
 from ds_plugins import ParmMoE, cost_model, selector
@@ -41,10 +44,47 @@ def test_auto_fits_once_agrees_on_every_rank_and_caches(world, tmp_path):
         assert r["choice"] == r["again"] == res[0]["choice"] and r["decisions"] == 1
         assert r["fitted"] == res[0]["fitted"]                    # averaged over the world
         assert r["reloaded"] == pytest.approx(r["fitted"], rel=1e-12)
-        flag = 2 * 8 * 3 // 4  # one int64 "have the file" flag, MIN-reduced over 4 ranks
-        assert r["reload_traffic"] == {"all_reduce@world": {"calls": 1, "sent": flag, "received": flag}}
+        # a "have the file" int64 and the 19 float64 parameters, MAX-reduced over MP then EP (2 ranks each)
+        per_group = {"calls": 2, "sent": 8 + 19 * 8, "received": 8 + 19 * 8}
+        assert r["reload_traffic"] == {"all_reduce@mp": per_group, "all_reduce@ep": per_group}
         assert r["file"]
     costs = selector._from_tensor(torch.tensor(res[0]["fitted"], dtype=torch.float64))
     for op in ("a2a@ep", "ag@esp", "rs@esp", "ag@mp", "gemm", "mem"):
         assert costs.ops[op].beta > 0, op
     assert set(costs.ops) == set(cost_model.OPS)
+
+
+def _agreed_and_local(rank_tokens: list[int]) -> dict:
+    """No token dropping, so EP peers may hold different token counts: "auto" decides from the agreed
+    (largest) one. A layer set up as "s2" and switched to "auto" fits at its first forward, here under
+    ``torch.inference_mode()``: no autograd, the RNG untouched, collectives on the layer's groups only."""
+    use_layout(2, 2)
+    selector._fitted.clear()
+    selector._decisions.clear()
+    layer = ParmMoE(M, mlp(M, H), num_experts=E, ep_size=2, k=2, capacity_factor=1.25, min_capacity=0,
+                    drop_tokens=False, enable_expert_tensor_parallelism=True, schedule="s2")
+    layer.set_deepspeed_parallelism()
+    layer.schedule = "auto"
+    torch.manual_seed(dist.get_rank() // 2)
+    x = torch.randn(rank_tokens[dist.get_rank()], M)
+    layer.eval()
+    rng = torch.get_rng_state()
+    with torch.inference_mode(), recording() as led:
+        first = layer(x)[0]                       # fits, then routes (drawing the Gumbel noise)
+    after_fit = torch.get_rng_state()
+    torch.set_rng_state(rng)
+    with torch.inference_mode():
+        again = layer(x)[0]                       # decided already: routes only
+    return {"choice": layer.last_schedule, "decided": [key[1].tokens for key in selector.decisions()],
+            "groups": sorted({key.split("@")[1] for key in led.as_dict()}),
+            "rng kept": torch.equal(after_fit, torch.get_rng_state()),
+            "same output": torch.equal(first, again)}
+
+
+@pytest.mark.world_size(4)
+def test_auto_decides_from_the_agreed_token_count_on_the_layers_groups(world):
+    res = world.run(_agreed_and_local, [24, 24, 200, 200])   # MP groups {0,1}, {2,3}; EP pairs (0,2), (1,3)
+    for r in res:
+        assert r["choice"] == res[0]["choice"] and r["decided"] == [200]
+        assert set(r["groups"]) <= {"mp", "esp", "ep"}, r["groups"]
+        assert r["rng kept"] and r["same output"]

@@ -1,6 +1,7 @@
 """The README's main job: examples/train_moe.py under the deepspeed launcher on 4 CPU ranks (TP 2 x EP 2),
 with Parm switched on by configs/parm_cpu.json. Smaller sizes than the README's run, same code path:
-the launcher, ds_plugins.initialize swapping DeepSpeed's MoE, the "auto" selector, ZeRO-1 steps."""
+the launcher, ds_plugins.initialize swapping DeepSpeed's MoE, the "auto" selector, ZeRO-1 steps, and an eval
+pass (engine.eval(), torch.no_grad()) every few steps."""
 
 import os
 import re
@@ -34,5 +35,7 @@ def test_main_job_trains_with_parm():
     losses = [float(x) for x in re.findall(r"step\s+\d+\s+loss ([0-9.]+)", out.stdout)]
     assert len(losses) == 5, log[-4000:]
     assert losses[-1] < 0.5 * losses[0], losses  # a fixed next-token map is learnt within a few steps
+    evals = [float(x) for x in re.findall(r"step\s+\d+\s+eval loss ([0-9.]+)", out.stdout)]
+    assert len(evals) == 1 and evals[0] < 0.5 * losses[0], (evals, losses)  # step 4, on held-out tokens
     ran = re.search(r"parm schedule 'auto': MoE layers ran \[(.*)\]", out.stdout)
     assert ran and ran.group(1) in ("'s1'", "'s2'"), log[-2000:]   # swapped in, and auto chose S1 or S2

@@ -4,7 +4,8 @@ node started by deepspeed-atlas with --no_ssh (DeepSpeed's own launcher undernea
 
 Checked: the plan put the larger data center first, so ranks 0-1 run on west's host and 2-3 on east's
 (the topology file lists east first); the exported environment and the per-DC interface reach every
-rank; each rank's WAN group opened exactly --wan-connections TCP connections to the other data center
+rank (over a GLOO_SOCKET_IFNAME=lo set on every node, which would not reach the other namespace);
+each rank's WAN group opened exactly --wan-connections TCP connections to the other data center
 (/proc/net/tcp); the losses equal the single-process run."""
 
 import json
@@ -41,7 +42,7 @@ def test_two_dc_cluster_trains_like_one_process(namespaces, tmp_path):
         out = tmp_path / "out"
         env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
                "ATLAS_TEST_VALUE": "same on every rank"}
-        env.pop("GLOO_SOCKET_IFNAME", None)
+        env["GLOO_SOCKET_IFNAME"] = "lo"          # a global default on every node: each DC's ifname wins
         nodes = {}
         for ns, host, where in ((west, "w0", ["--atlas-host", "w0"]), (east, "e0", ["--node_rank", "1"])):
             cmd = ["timeout", str(NODE_TIMEOUT), sys.executable, "-m", "launch",

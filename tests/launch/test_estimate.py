@@ -5,6 +5,7 @@ import pytest
 from launch import topology
 from launch.estimate import ModelSpec, analytic, layout_pipeline, stage_layers
 from launch.simulate import simulate
+from launch.sockets import nccl_buffer_memory, nccl_communicators
 
 RAW = {"datacenters": {"a": {"hosts": [{"name": "a0", "slots": 4}], "gpu_tflops": 100, "gpu_memory_gb": 80,
                              "node_bandwidth_gbps": 800, "intra_bandwidth_gbps": 80},
@@ -32,8 +33,14 @@ def test_layout_pipeline_costs():
     # WAN: 8 Gb/s shared, one transfer capped at tp x 4 connections x 1 MiB / 20 ms
     assert wan.shared and wan.bandwidth == 1e9 and wan.per_transfer_cap == pytest.approx(4 * 2**20 / 0.020)
     params = 2 * M.layer_params
-    acts = min(3, M.micro_batches(2)) * 2 * 34 * 512 * 2 * 1024    # stage 0 keeps 3 micro-batches
-    assert memory == pytest.approx(params * 16 + acts)
+    # NCCL_BUFFSIZE for 8 Gb/s x 20 ms (20 MB in flight): 32 MiB, on every communicator of a GPU: world,
+    # dp, pp, mp, the embedding group on stages 0 and 2, and ATLAS's WAN pair and token ring at 1 -> 2
+    comms = [5, 4 + 2, 5 + 2]
+    stages = [params * 16 + min(3 - s, M.micro_batches(2)) * 2 * 34 * 512 * 2 * 1024   # 1F1B keeps 3 - s
+              + nccl_buffer_memory(32 * 2**20, comms[s]) for s in range(3)]
+    assert [nccl_communicators(3, 1, 2, s, n) for s, n in enumerate([0, 1, 1])] == comms
+    assert nccl_buffer_memory(32 * 2**20, 1) == 4 * 2 * 32 * 2**20      # both ways, two peers, 2 channels
+    assert memory == pytest.approx(max(stages))
 
 
 def test_closed_form_matches_the_simulator_without_communication():

@@ -47,9 +47,10 @@ def test_gloo_ifname_and_megatron_config():
     with pytest.raises(ValueError, match="one name"):
         sockets.gloo_ifname("a,b", 2)
     assert sockets.megatron_nccl_config(False) == ""
-    # the pipeline groups (the only ones crossing the WAN) on NCCL's socket transport, DP/TP untouched
-    assert sockets.megatron_nccl_config(True) == ("pp:\n  net_name: socket\nembd:\n  net_name: socket\n"
-                                                  "pos_embd:\n  net_name: socket\n")
+    # every group spanning stages (pp, mp = tp x pp, the embedding groups, tp_ep_pp) on NCCL's socket
+    # transport; the groups inside a stage (DP/TP/CP/EP) untouched
+    assert sockets.megatron_nccl_config(True) == "".join(
+        f"{g}:\n  net_name: socket\n" for g in ("pp", "mp", "embd", "pos_embd", "tp_ep_pp"))
 
 
 def _sysctls(**values):

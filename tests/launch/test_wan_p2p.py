@@ -27,7 +27,8 @@ def _deepspeed_training(sharing):
     restored = (p2p.send, p2p.recv) == originals
     me = dist.get_rank()
     wan = f"atlas-wan({me % 2},{me % 2 + 2})"
-    tokens = led.calls("send", f"atlas-token(stage{plan.coord(me)[0]},tp0)")
+    stage = plan.coord(me)[0]
+    tokens = led.calls("send", f"atlas-token(stage{stage},tp0,{'fwd' if stage == 0 else 'bwd'})")
     return losses, led.sent("send", wan), restored, plan.dp * plan.micro_batches, tokens
 
 
@@ -133,3 +134,91 @@ def _wrong_topology():
 @pytest.mark.world_size(4, env=LO)
 def test_deepspeed_topology_must_follow_the_plan(world):
     assert world.run(_wrong_topology) == [True] * 4
+
+
+def _undo_is_idempotent_and_complete():
+    import os
+    import warnings
+
+    from megatron.core.pipeline_parallel import p2p_communication as mp
+
+    os.environ["COMMWEAVE_TIMEOUT_S"] = "20"    # a receive nobody answers would fail the call, not hang it
+    try:
+        plan = two_dc_plan(pp=2, dp=2, connections=2)         # temporal: a token ring per stage
+        originals = (mp._p2p_ops, mp._batched_p2p_ops)
+        me = dist.get_rank()
+        stage, d, _ = plan.coord(me)
+        peer = plan.rank(1 - stage, d)
+        handle = enable_megatron(plan)
+        x = torch.full((8,), float(me))
+        for _ in range(2):                                     # tokens move; replica 0 collects the last
+            (handle.post_send(x, me, peer) if stage == 0 else handle.post_recv(x, me, peer)).wait()
+
+        def later(**kw):                                       # someone else patched after ATLAS
+            return atlas(**kw)
+
+        atlas, mp._p2p_ops = mp._p2p_ops, later
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            handle.undo()
+        handle.undo()                                          # posts nothing: the barrier is not delayed
+        dist.barrier()
+        kept = mp._p2p_ops is later and not handle.crosses(me, peer)   # left in place, passing through
+        restored = mp._batched_p2p_ops is originals[1]
+        mp._p2p_ops = originals[0]
+
+        second = enable_megatron(plan)                         # a ring that fails to close...
+        def broken():
+            raise comm.CommTimeout("token lost")
+        second.sharing.close = broken
+        with pytest.raises(comm.CommTimeout, match="token lost"):
+            second.undo()
+        after_failure = (mp._p2p_ops, mp._batched_p2p_ops) == originals    # ...still restores both
+        second.undo()                                          # and the second undo does nothing
+        dist.barrier()
+    finally:
+        del os.environ["COMMWEAVE_TIMEOUT_S"]
+    return kept, restored, after_failure, [str(w.message) for w in caught]
+
+
+@pytest.mark.world_size(4, env=LO)
+def test_undo_twice_after_a_later_patch_and_after_a_failure(world):
+    for kept, restored, after_failure, warned in world.run(_undo_is_idempotent_and_complete):
+        assert kept and restored and after_failure
+        assert any("p2p_communication._p2p_ops replaced again after ATLAS patched it" in w for w in warned)
+
+
+def _one_rank_cannot_set_up(var, value, bad_rank):
+    import os
+
+    plan = two_dc_plan(pp=2, dp=2, connections=2)
+    groups = len(dist.distributed_c10d._world.pg_map)
+    saved = os.environ.get(var)
+    if dist.get_rank() == bad_rank:
+        os.environ[var] = value
+    try:
+        with pytest.raises(ValueError) as e:
+            enable_megatron(plan)
+    finally:
+        if saved is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = saved
+    return str(e.value), len(dist.distributed_c10d._world.pg_map) - groups
+
+
+@pytest.mark.world_size(4, env=LO)
+@pytest.mark.parametrize("var, value, bad_rank, everywhere, there", [
+    ("ATLAS_SHARING", "fair", 2, "rank(s) [2] could not set up", "ATLAS_SHARING='fair'"),
+    ("COMMWEAVE_TIMEOUT_S", "-1", 1, "rank(s) [1] could not set up", "COMMWEAVE_TIMEOUT_S='-1'"),
+    ("ATLAS_WAN_RETRIES", "many", 0, "rank(s) [0] could not set up", "ATLAS_WAN_RETRIES='many'"),
+    ("ATLAS_WAN_CONNS", "3", 3, "disagree on the connections per WAN pair (ATLAS_WAN_CONNS) "
+                                "(rank 0: 2, rank 1: 2, rank 2: 2, rank 3: 3)",
+     "disagree on the connections"),
+])
+def test_a_bad_setting_on_one_rank_stops_every_rank_before_any_group(world, var, value, bad_rank, everywhere,
+                                                                     there):
+    """The rank with the bad value names it (the variable, the value, the rule); every other rank names
+    that rank; no rank created a group (one all-gather, then everyone stops)."""
+    for rank, (message, new_groups) in enumerate(world.run(_one_rank_cannot_set_up, var, value, bad_rank)):
+        assert (there if rank == bad_rank else everywhere) in message and new_groups == 0, message

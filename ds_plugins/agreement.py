@@ -1,0 +1,94 @@
+"""Sizes a layer's ranks agree on before any collective depends on them (parm.md §2.8; issue 9).
+
+The exchanges of a Parm layer have sizes that come from each rank's own data: the token count S (the
+drop-mode capacity is a function of S and of the train / eval capacity factor) and, without token
+dropping, the capacity, the largest number of routes one expert receives. Two ranks that meet in a
+collective with different sizes hang on NCCL (gloo may fail or hang too). So every forward first agrees
+on them, with all-reduces on the layer's own groups only, never the world (under pipeline parallelism the
+other stages are busy with other layers):
+
+    t = [v, -v]                    MAX over MP -> the MP group's max and -min of every value
+    u = [max, -min, max - min]     MAX over EP -> max and -min over the MP groups the EP group meets, and
+                                                  the largest spread inside one of them
+
+3n int64 per group for n values. Every rank of the layer (the MP groups its EP groups meet) gets the same
+answer: in DeepSpeed's E+M+D layout and in its E+D layout where tp and ep divide one another, the EP
+groups of all MP lanes meet the same MP groups. So a disagreement raises the same error on all of them,
+before any collective whose sizes differ.
+
+Two rounds use it: :func:`tokens` (every schedule, before routing: S and the training flag) and
+:func:`capacity` (after routing, where the capacity depends on the routes: no-drop mode, and S1, whose
+capacity is the largest number of routes one block of tokens sends one expert).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from commweave import comm
+from ds_plugins.groups import ParmGroups
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Per value: the minimum and maximum over the layer's ranks, and the largest max - min inside one MP
+    group."""
+
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+    mp: tuple[int, ...]
+
+
+def spread(values: Sequence[int], g: ParmGroups, device: torch.device) -> Spread:
+    """Agree on ``values`` over the layer's MP, then EP group (collective on both; module docstring)."""
+    n = len(values)
+    v = torch.tensor(list(values), dtype=torch.int64, device=device)
+    t = torch.cat([v, -v])
+    if g.mp is not None:
+        comm.all_reduce(t, g.mp, op="max")
+    u = torch.cat([t, t[:n] + t[n:]])
+    if g.ep is not None:
+        comm.all_reduce(u, g.ep, op="max")
+    u = u.tolist()
+    return Spread(lo=tuple(-x for x in u[n: 2 * n]), hi=tuple(u[:n]), mp=tuple(u[2 * n:]))
+
+
+def tokens(num_tokens: int, training: bool, drop_tokens: bool, g: ParmGroups, device: torch.device) -> int:
+    """The token count every rank of the layer works with (the largest; in drop mode they are all equal).
+
+    Raises on every rank of the layer if the MP ranks hold different token counts (the MoE input is
+    replicated over tensor-parallel ranks), if some ranks are in training and others in eval mode (the
+    capacity factor differs), or, with ``drop_tokens``, if any two ranks hold different token counts
+    (each rank's capacity, which sizes every exchange, is computed from its own count).
+    """
+    s = spread([num_tokens, int(training)], g, device)
+    if s.mp[0]:
+        raise ValueError("parm MoE: the tensor-parallel (MP) ranks of this layer hold different token "
+                         f"counts (between {s.lo[0]} and {s.hi[0]}): the input of an MoE layer must be "
+                         "replicated over the tensor-parallel ranks")
+    if s.lo[1] != s.hi[1]:
+        raise RuntimeError("parm MoE: some ranks of this layer are in training mode and others in eval "
+                           "mode (their capacity factors differ): call model.train() / model.eval() on "
+                           "every rank")
+    if drop_tokens and s.lo[0] != s.hi[0]:
+        raise ValueError("parm MoE: with drop_tokens=True every rank of a layer must hold the same number "
+                         f"of tokens (the capacity, which sizes every exchange, is computed from it); got "
+                         f"between {s.lo[0]} and {s.hi[0]}: give every rank batches of one size, or set "
+                         "drop_tokens=False")
+    return s.hi[0]
+
+
+def capacity(local: int, g: ParmGroups, device: torch.device) -> int:
+    """The capacity of the layer's buffers: the largest ``local`` over its ranks. The MP ranks route the
+    same tokens, so theirs must be equal: if not, routing differs across them and this raises on every
+    rank of the layer (instead of hanging in an exchange of mismatched sizes)."""
+    s = spread([local], g, device)
+    if s.mp[0]:
+        raise RuntimeError(f"parm MoE: routing differs across the tensor-parallel (MP) ranks of this layer "
+                           f"(capacities between {s.lo[0]} and {s.hi[0]}): give every MP rank the same input "
+                           "and seed their RNGs identically before the MoE layer (the gate draws random "
+                           "numbers)")
+    return s.hi[0]

@@ -34,8 +34,8 @@ free of the CPU allocator (c10's ProfiledCPUMemoryReporter), each with the runni
 allocated while profiling; the peak is the largest total above the one before the first allocation,
 so it counts every tensor the step allocates and holds at once (activations, what autograd saves,
 gradients, receive buffers, gloo staging tensors of the pairwise collectives) and not the inputs
-made before. WallFacer keeps some CPU buffers between calls (wallfacer._Run.empty: CPU torch has no
-caching allocator); they are freed before each measurement (wallfacer.release_buffers), so their
+made before. WallFacer keeps some CPU buffers between calls (steps.Run.empty: CPU torch has no
+caching allocator); they are freed before each measurement (steps.release_buffers), so their
 first allocation falls inside it and counts; the table also prints what stays kept afterwards.
 The model: Y layers, each q = x + β_q, k = x + β_k, v = x + β_v (parameters [h, d]; an add saves
 nothing), x ← attention(q, k, v); loss = Σ x·g; forward and backward. Nothing is recomputed, so
@@ -66,13 +66,9 @@ from megatron_patches.groups import WallFacerGroups
 from megatron_patches.hybrid import ulysses_error
 from megatron_patches.layout import Layout, rank_chunks, valid_team_sizes
 from megatron_patches.placement import ETHERNET, ORDERS, Topology, estimate, nodes_of
+from megatron_patches.steps import keep_cpu_buffers, kept_buffer_bytes, release_buffers
 from megatron_patches.volume import Shard
-from megatron_patches.wallfacer import (
-    keep_cpu_buffers,
-    kept_buffer_bytes,
-    release_buffers,
-    wallfacer_attention,
-)
+from megatron_patches.wallfacer import wallfacer_attention
 
 KINDS = ("send", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -103,11 +99,12 @@ class _Silent(WallFacerGroups):
 
 def _compute_only(world: int, me: int, head_dim: int):
     # wallfacer's private autograd Function, driven with the silent groups (benchmark-only use).
-    from megatron_patches.wallfacer import _Run, _WallFacer
+    from megatron_patches.steps import Run
+    from megatron_patches.wallfacer import _WallFacer
 
     groups = _Silent(dist.group.WORLD, Layout(world, 1), me, None, None, {})
     kernel = select_kernel("auto", torch.device("cpu"), torch.float32)
-    run = _Run(groups, kernel, head_dim ** -0.5, True, "kv")
+    run = Run(groups, kernel, head_dim ** -0.5, True, "kv")
     return lambda q, k, v: _WallFacer.apply(q, k, v, run)
 
 

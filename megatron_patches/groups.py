@@ -61,7 +61,7 @@ def subgroup(global_ranks: Sequence[int], name: str):
 @dataclass
 class WallFacerGroups:
     """One rank's view: its CP group, the layout, and the team/sub-ring groups it belongs to; plus
-    ``scratch``, the call-local CPU buffers wallfacer.py keeps between calls for this layout."""
+    ``scratch``, the call-local CPU buffers steps.Run keeps between calls for this layout."""
 
     cp: object
     layout: Layout

@@ -297,7 +297,7 @@ def test_bad_input_raises_same_error_on_every_rank(world, kind):
 def test_o_for_delta_carries_the_row_sums(dtype):
     """The O' handed to the block kernels in place of O has rowsum(dO∘O') = D, also for rows with dO = 0,
     to one rounding of O' relative to D, and stays as small as O (no fp16 overflow)."""
-    from megatron_patches.wallfacer import _o_for_delta
+    from megatron_patches.backward import o_for_delta
 
     torch.manual_seed(0)
     do, o = torch.randn(6, 2, 3, 16, dtype=torch.float64), 100 * torch.randn(6, 2, 3, 16, dtype=torch.float64)
@@ -305,7 +305,7 @@ def test_o_for_delta_carries_the_row_sums(dtype):
     do, o = do.to(dtype), o.to(dtype)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     delta = (do.to(acc) * o.to(acc)).sum(-1)
-    got = _o_for_delta(do, delta, torch.empty_like(do))
+    got = o_for_delta(do, delta, torch.empty_like(do))
     assert got.dtype == dtype and torch.isfinite(got).all()
     assert got[2, 1, 0].abs().max() == 0
     assert (got.double().norm(dim=-1) <= o.double().norm(dim=-1) * (1 + 1e-2)).all()

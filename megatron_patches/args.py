@@ -21,9 +21,10 @@ import warnings
 from dataclasses import dataclass
 
 from megatron_patches.block import KERNELS
+from megatron_patches.hybrid import ulysses_error
 from megatron_patches.layout import team_size_error
 from megatron_patches.placement import NETWORKS, PLACEMENTS, Topology
-from megatron_patches.wallfacer import BACKWARDS
+from megatron_patches.wallfacer import BACKWARDS, TEAM_QKV
 
 CP_COMM_TYPES = (None, "p2p", "wallfacer")
 
@@ -41,6 +42,12 @@ class WallFacerConfig:
     """Per-block attention kernel: auto, sdpa, flash or reference (block.py)."""
     backward: str = "auto"
     """kv, q or auto (fewer bytes; volume.choose_backward)."""
+    team_qkv: str = "auto"
+    """keep the team's Q/K/V from the forward, rebuild them in the backward, or auto
+    (wallfacer.resolve_team_qkv: rebuild when C > 1 unless the layer is fully recomputed)."""
+    ulysses_size: int | str = 1
+    """U: Ulysses x WallFacer, a head all-to-all over U consecutive CP ranks, WallFacer over the P/U
+    groups (hybrid.py); 1 is WallFacer alone. "auto" is U = 1 (the team size is still chosen)."""
     ranks_per_node: int | None = None
     """Consecutive global ranks per node; None reads LOCAL_WORLD_SIZE (else one node)."""
     bandwidth_gbytes: tuple[float, float, float] = (450.0, 400.0, 50.0)
@@ -59,7 +66,7 @@ class WallFacerConfig:
         if self.team_size != "auto" and (not isinstance(self.team_size, int) or self.team_size < 1):
             raise ValueError(f"wallfacer team_size={self.team_size!r} must be an int >= 1 or 'auto'")
         for name, allowed in (("placement", PLACEMENTS), ("kernel", KERNELS), ("backward", BACKWARDS),
-                              ("network", tuple(NETWORKS))):
+                              ("team_qkv", TEAM_QKV), ("network", tuple(NETWORKS))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"wallfacer {name}={getattr(self, name)!r} is not one of {allowed}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
@@ -67,10 +74,21 @@ class WallFacerConfig:
         if min(self.bandwidth_gbytes) <= 0 or min(self.latency_us) < 0 or self.tflops <= 0:
             raise ValueError(f"wallfacer bandwidths {self.bandwidth_gbytes} GB/s and tflops {self.tflops} "
                              f"must be > 0, latencies {self.latency_us} us >= 0")
-        if self.context_parallel_size is not None and self.team_size != "auto":
-            error = team_size_error(self.context_parallel_size, self.team_size)
+        if self.ulysses_size != "auto" and (not isinstance(self.ulysses_size, int) or self.ulysses_size < 1):
+            raise ValueError(f"wallfacer ulysses_size={self.ulysses_size!r} must be an int >= 1 or 'auto'")
+        p, u = self.context_parallel_size, self.ulysses
+        if p is not None and p % u:
+            raise ValueError(f"--wallfacer-ulysses-size {u} must divide --context-parallel-size {p}")
+        if p is not None and self.team_size != "auto":
+            error = team_size_error(p // u, self.team_size)
             if error:
-                raise ValueError(f"--wallfacer-team-size: {error} (--context-parallel-size)")
+                where = "--context-parallel-size" + ("" if u == 1 else f" / --wallfacer-ulysses-size {u}")
+                raise ValueError(f"--wallfacer-team-size: {error} ({where})")
+
+    @property
+    def ulysses(self) -> int:
+        """The Ulysses size U in use: "auto" is 1, WallFacer alone."""
+        return 1 if self.ulysses_size == "auto" else self.ulysses_size
 
     def node_size(self, world_size: int) -> int:
         if self.ranks_per_node is not None:
@@ -96,6 +114,12 @@ class WallFacerConfig:
             raise ValueError(f"--num-attention-heads {heads}, --num-query-groups {groups} and "
                              f"--tensor-model-parallel-size {tp}: heads must be a multiple of query groups "
                              f"and both must split evenly over tensor-parallel ranks")
+        u = 1 if args.wallfacer_ulysses_size == "auto" else args.wallfacer_ulysses_size
+        if u > 1:
+            error = ulysses_error(p, u, heads // tp, max(1, groups // tp))
+            if error:
+                raise ValueError(f"--wallfacer-ulysses-size: {error} (--num-attention-heads {heads}, "
+                                 f"--num-query-groups {groups}, --tensor-model-parallel-size {tp})")
         if getattr(args, "attention_dropout", 0.0):
             raise ValueError(f"--attention-dropout {args.attention_dropout}: WallFacer has no attention "
                              f"dropout; set --attention-dropout 0")
@@ -111,6 +135,7 @@ class WallFacerConfig:
                           stacklevel=2)
         return cls(team_size=args.wallfacer_team_size, placement=args.wallfacer_placement,
                    kernel=args.wallfacer_kernel, backward=args.wallfacer_backward,
+                   team_qkv=args.wallfacer_team_qkv, ulysses_size=args.wallfacer_ulysses_size,
                    ranks_per_node=args.wallfacer_ranks_per_node,
                    bandwidth_gbytes=tuple(args.wallfacer_bandwidth), latency_us=tuple(args.wallfacer_latency),
                    tflops=args.wallfacer_tflops, network=args.wallfacer_network, context_parallel_size=p)
@@ -137,6 +162,12 @@ def add_wallfacer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="Per-block attention kernel.")
     g.add_argument("--wallfacer-backward", choices=BACKWARDS, default=d.backward,
                    help="Circulate K/V (kv) or queries (q) in the backward; auto picks fewer bytes.")
+    g.add_argument("--wallfacer-team-qkv", choices=TEAM_QKV, default=d.team_qkv,
+                   help="Keep the team's Q/K/V for the backward or rebuild them there (less memory, "
+                        "one more team all-gather); auto rebuilds when C > 1 without full recompute.")
+    g.add_argument("--wallfacer-ulysses-size", type=_team_size, default=d.ulysses_size,
+                   help="U: head all-to-all over U consecutive CP ranks, WallFacer over the P/U groups "
+                        "(1 = WallFacer alone; auto = 1).")
     g.add_argument("--wallfacer-ranks-per-node", type=int, default=d.ranks_per_node,
                    help="GPUs per node (default: LOCAL_WORLD_SIZE).")
     g.add_argument("--wallfacer-bandwidth", type=float, nargs=3, default=list(d.bandwidth_gbytes),

@@ -30,10 +30,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from commweave import comm
 from megatron_patches.args import CP_COMM_TYPES, WallFacerConfig
 from megatron_patches.block import acc_dtype
+from megatron_patches.hybrid import hybrid_groups
 from megatron_patches.layout import team_size_error
 from megatron_patches.placement import choose, nodes_of
 from megatron_patches.volume import Shard
-from megatron_patches.wallfacer import wallfacer_attention
+from megatron_patches.wallfacer import resolve_team_qkv, wallfacer_attention
 
 _MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
 
@@ -95,20 +96,27 @@ class WallFacerAttention(MegatronModule):
         if world != expected:
             raise ValueError(f"WallFacerAttention: the CP group has {world} ranks, the config says "
                              f"context_parallel_size={expected}")
-        if self.wallfacer.team_size != "auto" and team_size_error(world, self.wallfacer.team_size):
-            raise ValueError(f"WallFacerAttention: {team_size_error(world, self.wallfacer.team_size)}")
+        u = self.wallfacer.ulysses
+        if world % u:
+            raise ValueError(f"WallFacerAttention: ulysses_size {u} must divide the {world} CP ranks")
+        if self.wallfacer.team_size != "auto" and team_size_error(world // u, self.wallfacer.team_size):
+            raise ValueError(f"WallFacerAttention: {team_size_error(world // u, self.wallfacer.team_size)}")
+        self.recomputed = config.recompute_granularity == "full"
         self.softmax_scale = megatron_softmax_scale(config, softmax_scale)
         self.deterministic = bool(config.deterministic_mode)
         self._layouts: dict[tuple, object] = {}
 
     def _layout(self, query, key):
-        """Team size and rank order for these shapes (cost model on first use; same on every rank)."""
+        """Team size and rank order for these shapes (cost model on first use; same on every rank).
+        With Ulysses size U > 1, WallFacer's: P/U groups of U·s rows and h/U heads."""
         sig = (tuple(query.shape), key.shape[2], query.dtype)
         if sig not in self._layouts:
-            world, cfg = comm.size(self.cp_group), self.wallfacer
-            sh = Shard(query.shape[0], query.shape[1], query.shape[2], key.shape[2], query.shape[3],
-                       query.element_size(), acc_dtype(query.dtype).itemsize)
-            ranks = [comm.global_rank(self.cp_group, r) for r in range(world)]
+            cfg, u = self.wallfacer, self.wallfacer.ulysses
+            group = self.cp_group if u == 1 else hybrid_groups(self.cp_group, u).outer
+            world = comm.size(group)
+            sh = Shard(u * query.shape[0], query.shape[1], query.shape[2] // u, max(1, key.shape[2] // u),
+                       query.shape[3], query.element_size(), acc_dtype(query.dtype).itemsize)
+            ranks = [comm.global_rank(group, r) for r in range(world)]
             everyone = comm.size(dist.group.WORLD)
             nodes = nodes_of(ranks, cfg.node_size(everyone))
             auto = cfg.team_size == "auto" or cfg.placement == "auto"
@@ -137,7 +145,10 @@ class WallFacerAttention(MegatronModule):
         out = wallfacer_attention(query, key, value, self.cp_group, lay.team_size, causal=_MASKS[mask],
                                   softmax_scale=self.softmax_scale, layout=lay.layout, order=lay.order,
                                   kernel=self.wallfacer.kernel, backward=self.wallfacer.backward,
-                                  check=first, deterministic=self.deterministic)
+                                  team_qkv=resolve_team_qkv(self.wallfacer.team_qkv, lay.team_size,
+                                                            self.recomputed),
+                                  ulysses_size=self.wallfacer.ulysses, check=first,
+                                  deterministic=self.deterministic)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
 

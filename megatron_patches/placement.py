@@ -179,12 +179,15 @@ def estimate(lay: Layout, sh: Shard, nodes: list[int], topo: Topology, causal: b
         back = [(r, lay.place_source(lay.ring_next(r))) for r in range(world)]
         ring_bwd = steps(BWD_FLOPS * step, hop(2 * c * sh.a_kv * (e + acc)))
         home = topo.exchange(back, nodes, 2 * c * sh.a_kv * acc)
-    else:
+    else:  # q, dO, lse and D = rowsum(dO∘O) travel (volume.py), then dQ
         back = [(r, lay.place_source(r)) for r in range(world)]
-        ring_bwd = steps(BWD_FLOPS * step, hop(c * (3 * sh.a_q * e + sh.rows * acc + sh.a_q * acc)))
+        ring_bwd = steps(BWD_FLOPS * step, hop(c * (2 * sh.a_q * e + 2 * sh.rows * acc + sh.a_q * acc)))
         home = (hop(c * sh.a_q * acc)
                 + topo.exchange(back, nodes, 2 * c * sh.a_kv * acc))
-    bwd = (team(2 * sh.a_q * e) + ring_bwd + home
+    # dO and D gathered in the team; with C > 1 the team Q/K/V are rebuilt there (team_qkv="auto").
+    rebuild = (team((sh.a_q + 2 * sh.a_kv) * e) + topo.exchange(place, nodes, 2 * c * sh.a_kv * e)
+               if c > 1 else 0.0)
+    bwd = (team(sh.a_q * e + sh.rows * acc) + rebuild + ring_bwd + home
            + cost.reduce_scatter(link, c * (sh.a_q + 2 * sh.a_kv) * e, c))
     return fwd + bwd
 

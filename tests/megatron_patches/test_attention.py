@@ -58,7 +58,7 @@ def _spec(team_size, full):
         spec = get_gpt_layer_local_spec()
         spec.submodules.self_attention.submodules.core_attention = FullAttention
         return spec
-    wf = WallFacerConfig(team_size=team_size)
+    wf = team_size if isinstance(team_size, WallFacerConfig) else WallFacerConfig(team_size=team_size)
     spec = get_gpt_layer_wallfacer_spec(wf)
     assert spec == with_wallfacer(get_gpt_layer_local_spec(), wf)
     return spec

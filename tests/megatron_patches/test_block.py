@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_patches.block import ReferenceKernel, SdpaKernel, select_kernel
-from megatron_patches.wallfacer import _merge
+from megatron_patches.steps import _merge
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -59,10 +59,14 @@ def test_paper_worked_example_m():
 
 def test_backward_choice_follows_the_gqa_ratio():
     lay = Layout(16, 2)
-    # MHA in bf16: queries move 3·2 + 4 bytes per element and hop, K/V 2·(2 + 4).
+    # MHA in bf16: queries move q, dO and dQ, 2·2 + 4 bytes per element and hop (+ lse and D per row),
+    # K/V 2·(2 + 4).
     assert choose_backward(lay, Shard(8, 1, 8, 8, 16, elt=2, acc=4)) == "q"
-    # MHA in fp32: 3·4 + 4 (+ lse) against 2·(4 + 4): K/V.
-    assert choose_backward(lay, Shard(8, 1, 8, 8, 16, elt=4, acc=4)) == "kv"
+    # MHA in fp32: 2·4 + 4 (+ lse, D) against 2·(4 + 4): still the queries (with O on the wire, 3·4 + 4
+    # + lse, it was K/V).
+    assert choose_backward(lay, Shard(8, 1, 8, 8, 16, elt=4, acc=4)) == "q"
+    # GQA 2:1 in fp32: 12 (+ rows) against 8.
+    assert choose_backward(lay, Shard(8, 1, 8, 4, 16, elt=4, acc=4)) == "kv"
     # GQA 2:1 in bf16: K/V carry half the heads.
     assert choose_backward(lay, Shard(8, 1, 8, 4, 16, elt=2, acc=4)) == "kv"
     # No ring loop (C = √P): both variants are the same placement moves.

@@ -54,14 +54,14 @@ def _reference(q, k, v, do, causal, dtype=torch.float64):
     return [out] + [t.grad for t in inputs]
 
 
-def _run_case(world, c, causal, hq, hkv, mode, kernel, dtype, layout="zigzag", order=None,
+def _run_case(world, c, causal, hq, hkv, mode, kernel, dtype, team_qkv="auto", layout="zigzag", order=None,
               s_local=4, b=2, d=8):
     q, k, v, do = _global_inputs(world * s_local, b, hq, hkv, d)
     want = _reference(q, k, v, do, causal)
     rows = local_rows(layout, world, dist.get_rank(), s_local)
     mine = [t[rows].to(DTYPES[dtype]).requires_grad_() for t in (q, k, v)]
     out = wallfacer_attention(*mine, dist.group.WORLD, c, causal=causal, layout=layout, order=order,
-                              kernel=kernel, backward=mode)
+                              kernel=kernel, backward=mode, team_qkv=team_qkv)
     out.backward(do[rows].to(out.dtype))
     got = [out] + [t.grad for t in mine]
     return [(g.double() - w[rows]).abs().max().item() for g, w in zip(got, want, strict=True)]
@@ -76,16 +76,17 @@ def _cases(world):
     for c in valid_team_sizes(world):
         for causal in (True, False):
             for hq, hkv in ((4, 4), (4, 2), (4, 1)):
+                team_qkv = "keep" if hkv == 2 else "rebuild"  # both for every (C, causal, mode)
                 for mode in ("kv", "q"):
-                    cases.append((c, causal, hq, hkv, mode, "sdpa", "fp64"))
+                    cases.append((c, causal, hq, hkv, mode, "sdpa", "fp64", team_qkv))
             cases.append((c, causal, 4, 2, "auto", "reference", "fp64"))
             cases.append((c, causal, 4, 2, "auto", "sdpa", "fp32"))
-            cases.append((c, causal, 4, 2, "kv", "sdpa", "fp64", "contiguous"))
+            cases.append((c, causal, 4, 2, "kv", "sdpa", "fp64", "keep", "contiguous"))
     c = max(valid_team_sizes(world))
     perm = list(range(world))
     random.Random(world).shuffle(perm)
-    cases.append((c, True, 4, 2, "q", "sdpa", "fp64", "zigzag", tuple(perm)))
-    cases.append((c, True, 4, 2, "kv", "sdpa", "fp64", "zigzag", ring_major(world, c)))
+    cases.append((c, True, 4, 2, "q", "sdpa", "fp64", "rebuild", "zigzag", tuple(perm)))
+    cases.append((c, True, 4, 2, "kv", "sdpa", "fp64", "auto", "zigzag", ring_major(world, c)))
     return cases
 
 
@@ -96,7 +97,7 @@ def _check_numerics(world):
         err = max(max(r[case]) for r in results)
         if err > TOL[case[6]]:
             bad[case] = err
-    assert not bad, f"cases over tolerance (C, causal, hq, hkv, mode, kernel, dtype, ...): {bad}"
+    assert not bad, f"cases over tolerance (C, causal, hq, hkv, mode, kernel, dtype, team_qkv, ...): {bad}"
 
 
 @pytest.mark.world_size(4)
@@ -138,18 +139,24 @@ def test_16_bit_within_twice_single_process_error(world, mode, dtype):
 
 
 def _ledger_case(c, mode, dtype, hq=4, hkv=2, s_local=4, b=2, d=8):
+    """Forward and backward ledgers with the team Q/K/V kept and rebuilt."""
     torch.manual_seed(dist.get_rank())
     mine = [torch.randn(s_local, b, h, d, dtype=DTYPES[dtype], requires_grad=True) for h in (hq, hkv, hkv)]
-    with ledger.recording() as fwd:
-        out = wallfacer_attention(*mine, dist.group.WORLD, c, backward=mode)
-    with ledger.recording() as bwd:
-        out.backward(torch.ones_like(out))
-    return fwd.as_dict(), bwd.as_dict()
+    out = {}
+    for team_qkv in ("keep", "rebuild"):
+        with ledger.recording() as fwd:
+            o = wallfacer_attention(*mine, dist.group.WORLD, c, backward=mode, team_qkv=team_qkv)
+        with ledger.recording() as bwd:
+            o.backward(torch.ones_like(o))
+        out[team_qkv] = fwd.as_dict(), bwd.as_dict()
+    return out
 
 
-def _as_counts(led: dict) -> dict:
+LEDGER_NAMES = {TEAM: "team", RING: "ring", "world": "cp"}
+
+
+def _as_counts(led: dict, names: dict = LEDGER_NAMES) -> dict:
     """Ledger dict → {(kind, "team"|"ring"|"cp"): sent bytes}, only the kinds that sent something."""
-    names = {TEAM: "team", RING: "ring", "world": "cp"}
     out = {}
     for key, entry in led.items():
         kind, group = key.split("@")
@@ -167,9 +174,11 @@ def test_ledger_bytes_equal_formulas(world, c, mode, dtype):
     lay = Layout(8, c)
     elt = DTYPES[dtype].itemsize
     sh = Shard(4, 2, 4, 2, 8, elt, 4)
-    for r, (fwd, bwd) in enumerate(per_rank):
-        assert _as_counts(fwd) == dict(forward_bytes(lay, sh, r)), f"rank {r} forward"
-        assert _as_counts(bwd) == dict(backward_bytes(lay, sh, r, mode)), f"rank {r} backward"
+    for r, both in enumerate(per_rank):
+        for team_qkv, (fwd, bwd) in both.items():
+            want = backward_bytes(lay, sh, r, mode, rebuild=team_qkv == "rebuild")
+            assert _as_counts(fwd) == dict(forward_bytes(lay, sh, r)), f"rank {r} forward, {team_qkv}"
+            assert _as_counts(bwd) == dict(want), f"rank {r} backward, {team_qkv}"
 
 
 @pytest.mark.world_size(8)
@@ -179,7 +188,7 @@ def test_p2p_is_half_of_ring_attention_at_p8_c2(world):
     for c in (1, 2):
         per_rank = world.run(_ledger_case, c, "kv", "fp32")
         means[c] = sum(_as_counts(f).get(("send", "ring"), 0) + _as_counts(f).get(("send", "cp"), 0)
-                       for f, _ in per_rank) / 8
+                       for f, _ in (r["keep"] for r in per_rank)) / 8
     assert means[2] * 2 == means[1]
     assert means[1] == mean_p2p(Layout(8, 1), Shard(4, 2, 4, 2, 8, 4, 4))
 
@@ -203,6 +212,36 @@ def _reuse_case(c, mode):
 def test_results_do_not_alias_buffers_kept_between_calls(world, mode):
     for c in (1, 2):
         assert max(world.run(_reuse_case, c, mode)) == 0.0, f"C={c}"
+
+
+def _saved_case(c, s_local=4, b=2, hq=4, hkv=2, d=8):
+    """Bytes the attention saves for its backward (every tensor autograd packs), per team_qkv."""
+    torch.manual_seed(dist.get_rank())
+    out = {}
+    for team_qkv in ("keep", "rebuild"):
+        mine = [torch.randn(s_local, b, h, d).requires_grad_() for h in (hq, hkv, hkv)]
+        saved = []
+
+        def pack(t, saved=saved):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            o = wallfacer_attention(*mine, dist.group.WORLD, c, team_qkv=team_qkv)
+        o.backward(torch.ones_like(o))
+        out[team_qkv] = sum(saved)
+    return out
+
+
+@pytest.mark.world_size(4)
+def test_rebuild_saves_what_ring_attention_saves(world):
+    """Per layer (paper §3.2.2): kept, the team's Q and placed K/V, C·A_q + 2C·A_kv; rebuilt, this rank's
+    q, k, v, A_q + 2·A_kv — as ring attention; both also save O and the team's lse (fp32)."""
+    c, s, b, hq, hkv, d = 2, 4, 2, 4, 2, 8
+    a_q, a_kv, lse = s * b * hq * d * 4, s * b * hkv * d * 4, c * s * b * hq * 4
+    for saved in world.run(_saved_case, c):
+        assert saved["keep"] == c * a_q + 2 * c * a_kv + a_q + lse
+        assert saved["rebuild"] == a_q + 2 * a_kv + a_q + lse
 
 
 def _bad(kind):
@@ -252,3 +291,24 @@ def test_bad_input_raises_same_error_on_every_rank(world, kind):
     messages = world.run(_bad, kind)
     assert len(set(messages)) == 1, messages
     assert BAD[kind] in messages[0], messages[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_o_for_delta_carries_the_row_sums(dtype):
+    """The O' handed to the block kernels in place of O has rowsum(dO∘O') = D, also for rows with dO = 0,
+    to one rounding of O' relative to D, and stays as small as O (no fp16 overflow)."""
+    from megatron_patches.backward import o_for_delta
+
+    torch.manual_seed(0)
+    do, o = torch.randn(6, 2, 3, 16, dtype=torch.float64), 100 * torch.randn(6, 2, 3, 16, dtype=torch.float64)
+    do[2, 1, 0] = 0.0
+    do, o = do.to(dtype), o.to(dtype)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    delta = (do.to(acc) * o.to(acc)).sum(-1)
+    got = o_for_delta(do, delta, torch.empty_like(do))
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    assert got[2, 1, 0].abs().max() == 0
+    assert (got.double().norm(dim=-1) <= o.double().norm(dim=-1) * (1 + 1e-2)).all()
+    kernel_delta = (do.double() * got.double()).sum(-1)
+    rel = (kernel_delta - delta.double()).abs() / delta.double().abs().clamp_min(1e-30)
+    assert rel.max() <= {torch.float64: 1e-14, torch.float32: 1e-6}.get(dtype, 2 * torch.finfo(dtype).eps)

@@ -99,7 +99,7 @@ class _Recorder:
                 return work
             n, where = sum(e[0] == "issue" for e in self.events), comm.group_name(group)
             self.events.append(("issue", n, where))
-            return _Waited(work, lambda: self.events.append(("wait", n, where)))
+            return comm.Handle([work], "recorded", where, finish=lambda: self.events.append(("wait", n, where)))
         return call
 
     def concurrent_pairs(self) -> int:
@@ -113,16 +113,6 @@ class _Recorder:
             else:
                 flying.pop(n)
         return pairs
-
-
-class _Waited:
-    def __init__(self, work, on_wait) -> None:
-        self._work, self._on_wait = work, on_wait
-
-    def wait(self, *args, **kwargs):
-        result = self._work.wait(*args, **kwargs)
-        self._on_wait()
-        return result
 
 
 def _serial(chunks, stages, finish) -> None:

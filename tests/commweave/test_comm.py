@@ -149,7 +149,7 @@ def test_timeout_setting(monkeypatch):
         comm.set_timeout(None)
     with pytest.raises(ValueError, match="timeout=0: "):
         comm.set_timeout(0)
-    with pytest.raises(ValueError, match="timeout=True: .* finite number of seconds"):
+    with pytest.raises(ValueError, match=r"timeout=True: .* finite number of seconds"):
         comm.set_timeout(True)
     assert comm.check_seconds("2.5", "--commweave-timeout-s") == 2.5
 

@@ -397,40 +397,51 @@ def wait_all(works) -> None:
 _MESSAGE_BYTES = 512
 
 
-def agree(group, what: str, error: str | None = None, **values: int) -> None:
-    """Raise the same ValueError on every rank of ``group`` if any rank refused its input or the integer
-    ``values`` differ between ranks; return on every rank otherwise.
+def disagreement(group, what: str, error: str | None = None, *, relay: bool = False,
+                 **values: int) -> str | None:
+    """What every rank of ``group`` must raise, the same text on every rank: a rank's refusal of its input,
+    or integer ``values`` that differ between ranks; None when all is well. Collective, never raises.
 
     ``error`` is this rank's own verdict on its arguments (None when they are fine). A rank that raised
-    on its own would leave the others waiting in their next collective, so a rank that refuses its
-    input calls this with the message instead of raising, and every rank raises it: "rank 2: <message>"
-    (the first refusing rank; the message alone when every rank refused alike). Then the values are
-    compared, as :func:`check_agree` does. One all-gather of ``len(values) + 65`` int64 per rank.
+    on its own would leave the others waiting in their next collective, so a rank that refuses its input
+    passes the message here instead, and every rank gets "rank 2: <message>" (the first refusing rank; the
+    message alone when every rank refused alike, or with ``relay``: a message that an earlier round over
+    another group produced, passed on verbatim). Refusals come first, then the values are compared.
+    One all-gather of ``len(values) + 65`` int64 per rank (messages are cut at 512 bytes).
     """
     names = list(values)
     text = (error or "").encode()[:_MESSAGE_BYTES]
-    padded = text.ljust(_MESSAGE_BYTES, b"\0")
-    words = torch.frombuffer(bytearray(padded), dtype=torch.int64)
+    words = torch.frombuffer(bytearray(text.ljust(_MESSAGE_BYTES, b"\0")), dtype=torch.int64)
     mine = torch.cat([torch.tensor([int(values[n]) for n in names] + [len(text) if error else -1],
                                    dtype=torch.int64), words])
-    every = torch.empty(size(group), mine.numel(), dtype=torch.int64)
-    all_gather(every, mine, group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    every = torch.empty(size(group), mine.numel(), dtype=torch.int64, device=device)
+    all_gather(every, mine.to(every.device), group)
+    every = every.cpu()
     n = len(names)
     messages = [None if int(row[n]) < 0 else
                 row[n + 1:].numpy().tobytes()[:int(row[n])].decode(errors="replace") for row in every]
     refused = [r for r, m in enumerate(messages) if m is not None]
     if refused:
         first = messages[refused[0]]
-        if len(refused) == len(messages) and all(m == first for m in messages):
-            raise ValueError(first)
+        if relay or (len(refused) == len(messages) and all(m == first for m in messages)):
+            return first
         others = f" (and {len(refused) - 1} other rank(s))" if len(refused) > 1 else ""
-        raise ValueError(f"rank {global_rank(group, refused[0])}{others}: {first}")
+        return f"rank {global_rank(group, refused[0])}{others}: {first}"
     bad = [name for i, name in enumerate(names) if (every[:, i] != every[0, i]).any()]
-    if bad:
-        table = "; ".join(f"{name}: " + ", ".join(f"rank {global_rank(group, r)}={int(every[r, i])}"
-                                                   for r in range(size(group)))
-                          for i, name in enumerate(names) if name in bad)
-        raise ValueError(f"{what}: the ranks of {_where(group)} must agree on {', '.join(bad)}, got {table}")
+    if not bad:
+        return None
+    table = "; ".join(f"{name}: " + ", ".join(f"rank {global_rank(group, r)}={int(every[r, i])}"
+                                               for r in range(size(group)))
+                      for i, name in enumerate(names) if name in bad)
+    return f"{what}: the ranks of {_where(group)} must agree on {', '.join(bad)}, got {table}"
+
+
+def agree(group, what: str, error: str | None = None, **values: int) -> None:
+    """Raise :func:`disagreement`'s message as a ValueError on every rank of ``group``, if there is one."""
+    message = disagreement(group, what, error, **values)
+    if message is not None:
+        raise ValueError(message)
 
 
 def check_agree(group, what: str, **values: int) -> None:

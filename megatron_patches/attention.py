@@ -72,6 +72,8 @@ class WallFacerAttention(MegatronModule):
                  wallfacer: WallFacerConfig | None = None) -> None:
         super().__init__(config=config)
         self.wallfacer = wallfacer if wallfacer is not None else _megatron_lm_config()
+        if self.wallfacer.timeout_s is not None:  # --commweave-timeout-s: one setting for the process
+            comm.set_timeout(self.wallfacer.timeout_s)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         refusals = {
             f"attention_type={attention_type!r}: WallFacer is self-attention only": attention_type != "self",

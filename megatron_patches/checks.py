@@ -2,23 +2,37 @@
 
 A rank that raised on its own while the others entered the first collective would leave them
 waiting until the backend's timeout. So each rank encodes what it was given (shapes, dtypes,
-team size, layout, causal, scale) in a few integers, the group all-gathers them once, and every
-rank runs the same checks over all ranks' metadata: the first violated rule is raised as the same
-ValueError everywhere, before any of WallFacer's own communication.
+team size, layout, causal, scale, and the options that must agree: backward, kernel, the placement
+order, deterministic) in a few integers, the group all-gathers them once, and every rank runs the
+same checks over all ranks' metadata: the first violated rule is raised as the same ValueError
+everywhere, before any of WallFacer's own communication.
+
+Arguments a rank can judge alone (an unknown backward or kernel, an order that is not a permutation,
+a team size or scale that is not a number) are refused locally (:func:`refusal`); the metadata then
+carries a "refused" bit, and only in that case one more round (``comm.disagreement``) brings the
+refusing rank's message to every rank.
+
+Field layout (``_encode``): q, k, v shapes (5 each: rank, 4 sizes), 3 dtype codes, team size, an
+options word (layout | backward << 2 | kernel << 4 | deterministic << 7 | refused << 8), causal | the
+order's CRC-32 << 1, and the softmax scale's bits.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+import zlib
 
 import torch
 
 from commweave import comm
+from megatron_patches import block
 from megatron_patches.layout import LAYOUTS, team_size_error
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+BACKWARDS = ("auto", "kv", "q")
 _FIELDS = 22  # see _encode
+_KERNEL_OBJECT = len(block.KERNELS)  # a kernel passed as an object (block.py)
 
 
 def _shape(t) -> list[int]:
@@ -31,11 +45,43 @@ def _dtype_code(t) -> int:
     return DTYPES.index(t.dtype) if isinstance(t, torch.Tensor) and t.dtype in DTYPES else -1
 
 
-def _encode(q, k, v, team_size: int, causal: bool, scale: float | None, layout: str) -> list[int]:
-    scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0] if scale is not None else 0
+def _code(value, allowed: tuple, invalid: int) -> int:
+    return allowed.index(value) if isinstance(value, str) and value in allowed else invalid
+
+
+def _order_crc(order) -> int:
+    """0 for the identity (None, empty or range(P)), else the CRC-32 of the permutation."""
+    try:
+        if not order or list(order) == list(range(len(order))):
+            return 0
+        return zlib.crc32(struct.pack(f"<{len(order)}q", *order))
+    except (TypeError, struct.error):
+        return 0
+
+
+def _encode(q, k, v, team_size: int, causal: bool, scale: float | None, layout: str, *,
+            backward: str = "auto", kernel="auto", order=None, deterministic: bool = False,
+            refused: bool = False) -> list[int]:
+    try:
+        scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0] if scale is not None else 0
+    except (TypeError, ValueError):
+        scale_bits = struct.unpack("<q", struct.pack("<d", float("nan")))[0]
+    kernel_code = _KERNEL_OBJECT if not isinstance(kernel, str) else _code(kernel, block.KERNELS, 7)
+    options = (_code(layout, LAYOUTS, 3) | _code(backward, BACKWARDS, 3) << 2 | kernel_code << 4
+               | int(bool(deterministic)) << 7 | int(refused) << 8)
+    team = team_size if isinstance(team_size, int) and not isinstance(team_size, bool) else -1
     return (_shape(q) + _shape(k) + _shape(v) + [_dtype_code(t) for t in (q, k, v)]
-            + [int(team_size), LAYOUTS.index(layout) if layout in LAYOUTS else -1, int(bool(causal)),
-               scale_bits])
+            + [team, options, int(bool(causal)) | _order_crc(order) << 1, scale_bits])
+
+
+def _options(m: list[int]) -> dict:
+    o = m[19]
+    kernels = (*block.KERNELS, "<kernel object>")
+    return {"layout": LAYOUTS[o & 3] if o & 3 < len(LAYOUTS) else "?",
+            "backward": BACKWARDS[o >> 2 & 3] if o >> 2 & 3 < len(BACKWARDS) else "?",
+            "kernel": kernels[o >> 4 & 7] if o >> 4 & 7 < len(kernels) else "?",
+            "deterministic": bool(o >> 7 & 1), "refused": bool(o >> 8 & 1), "causal": bool(m[20] & 1),
+            "order": f"crc {m[20] >> 1:08x}" if m[20] >> 1 else "identity"}
 
 
 def _describe(m: list[int]) -> str:
@@ -43,9 +89,12 @@ def _describe(m: list[int]) -> str:
         return "not a 4-d tensor" if m[off] != 4 else f"[{', '.join(map(str, m[off + 1:off + 5]))}]"
 
     dts = ["?" if c < 0 else str(DTYPES[c]).replace("torch.", "") for c in m[15:18]]
+    o = _options(m)
     return (f"q {shape(0)} {dts[0]}, k {shape(5)} {dts[1]}, v {shape(10)} {dts[2]}, team_size={m[18]}, "
-            f"layout={LAYOUTS[m[19]] if m[19] >= 0 else '?'}, causal={bool(m[20])}, "
-            f"softmax_scale={struct.unpack('<d', struct.pack('<q', m[21]))[0] if m[21] else None}")
+            f"layout={o['layout']}, causal={o['causal']}, "
+            f"softmax_scale={struct.unpack('<d', struct.pack('<q', m[21]))[0] if m[21] else None}, "
+            f"backward={o['backward']}, kernel={o['kernel']}, order={o['order']}, "
+            f"deterministic={o['deterministic']}")
 
 
 def _rule_error(m: list[int], world: int, layout: str) -> str | None:
@@ -66,14 +115,14 @@ def _rule_error(m: list[int], world: int, layout: str) -> str | None:
     if -1 in m[15:18] or len(set(m[15:18])) != 1:
         return (f"q, k, v dtypes must be one of {[str(d).replace('torch.', '') for d in DTYPES]} and equal, "
                 f"got {_describe(m).split(', team_size')[0]}")
-    if m[19] < 0:
+    if m[19] & 3 >= len(LAYOUTS):
         return f"layout={layout!r} is not one of {LAYOUTS}"
     error = team_size_error(world, m[18])
     if error:
         return error
     if sq % 2:
         return (f"sequence length {world * sq} (= P·s_local = {world}·{sq}) must be divisible by 2·P = "
-                f"{2 * world}: the {LAYOUTS[m[19]]} layout cuts it into 2P chunks, "
+                f"{2 * world}: the {_options(m)['layout']} layout cuts it into 2P chunks, "
                 f"two per rank")
     scale = struct.unpack("<d", struct.pack("<q", m[21]))[0] if m[21] else None
     if scale is not None and not (math.isfinite(scale) and scale > 0):
@@ -96,14 +145,44 @@ def input_error(metas: list[list[int]], layout: str) -> str | None:
     return None
 
 
+def refusal(q, team_size, softmax_scale, world: int, *, backward: str = "auto", kernel="auto", order=None,
+            deterministic: bool = False) -> str | None:
+    """What this rank alone can tell is wrong with its arguments (the value is only known here), or None."""
+    if not isinstance(team_size, int) or isinstance(team_size, bool):
+        return f"team_size={team_size!r} must be an integer (C, C² dividing P={world})"
+    if softmax_scale is not None and (isinstance(softmax_scale, bool)
+                                      or not isinstance(softmax_scale, int | float)):
+        return f"softmax_scale={softmax_scale!r} must be a finite number > 0 or None (1/sqrt(head_dim))"
+    if backward not in BACKWARDS:
+        return f"backward={backward!r} is not one of {BACKWARDS}"
+    if order:
+        try:
+            ok = sorted(order) == list(range(world))
+        except TypeError:
+            ok = False
+        if not ok:
+            return f"order={list(order) if isinstance(order, list | tuple) else order!r} must be a " \
+                   f"permutation of range({world}) (slot -> CP rank, placement.py)"
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.dtype in DTYPES:
+        try:
+            block.select_kernel(kernel, q.device, q.dtype, deterministic, head_dim=q.shape[3])
+        except ValueError as e:
+            return str(e)
+    return None
+
+
 def check_inputs(q, k, v, group, team_size: int, causal: bool, softmax_scale: float | None,
-                 layout: str) -> None:
+                 layout: str, *, backward: str = "auto", kernel="auto", order=None,
+                 deterministic: bool = False) -> None:
     """Raise the same ValueError on every rank of ``group`` if any rank's inputs break a rule.
 
-    One all-gather of 22 int64 per rank over ``group`` (the only communication before the checks).
+    One all-gather of 22 int64 per rank over ``group`` (the only communication before the checks; one
+    more, with the message, when a rank refused its arguments, see :func:`refusal`).
     """
-    mine = _encode(q, k, v, team_size, causal, softmax_scale, layout)
     world = comm.size(group)
+    opts = dict(backward=backward, kernel=kernel, order=order, deterministic=deterministic)
+    refused = refusal(q, team_size, softmax_scale, world, **opts)
+    mine = _encode(q, k, v, team_size, causal, softmax_scale, layout, refused=refused is not None, **opts)
     if world == 1:
         metas = [mine]
     else:
@@ -111,6 +190,9 @@ def check_inputs(q, k, v, group, team_size: int, causal: bool, softmax_scale: fl
         gathered = torch.empty(world, _FIELDS, dtype=torch.int64, device=device)
         comm.all_gather(gathered, torch.tensor(mine, dtype=torch.int64, device=device), group)
         metas = gathered.tolist()
+    if any(_options(m)["refused"] for m in metas):
+        message = refused if world == 1 else comm.disagreement(group, "wallfacer_attention", refused)
+        raise ValueError(f"wallfacer_attention: {message}")
     error = input_error(metas, layout)
     if error:
         raise ValueError(f"wallfacer_attention: {error}")

@@ -19,13 +19,11 @@ import torch
 
 from commweave import comm
 from megatron_patches import block
-from megatron_patches.checks import check_inputs, default_scale
+from megatron_patches.checks import BACKWARDS, check_inputs, default_scale
 from megatron_patches.groups import WallFacerGroups, wallfacer_groups
 from megatron_patches.layout import Layout, causal_calls
 from megatron_patches.team import gather_team, reduce_team
 from megatron_patches.volume import Shard, choose_backward
-
-BACKWARDS = ("auto", "kv", "q")
 
 
 def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, team_size: int,
@@ -59,10 +57,11 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
         ``[s_local, b, h, d]`` in q's dtype. Online-softmax state and gradient accumulators are
         fp32 (fp64 for fp64 inputs); fp16, bf16, fp32 and fp64 inputs are supported.
     """
-    if backward not in BACKWARDS:
-        raise ValueError(f"backward={backward!r} is not one of {BACKWARDS}")
     if check:
-        check_inputs(q, k, v, group, team_size, causal, softmax_scale, layout)
+        check_inputs(q, k, v, group, team_size, causal, softmax_scale, layout, backward=backward,
+                     kernel=kernel, order=order, deterministic=deterministic)
+    if backward not in BACKWARDS:  # with check=False
+        raise ValueError(f"backward={backward!r} is not one of {BACKWARDS}")
     lay = Layout(comm.size(group), team_size, tuple(order or ()), layout)
     groups = wallfacer_groups(group, lay)
     sh = Shard(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.element_size(),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import struct
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -400,7 +401,8 @@ _MESSAGE_BYTES = 512
 def disagreement(group, what: str, error: str | None = None, *, relay: bool = False,
                  **values: int) -> str | None:
     """What every rank of ``group`` must raise, the same text on every rank: a rank's refusal of its input,
-    or integer ``values`` that differ between ranks; None when all is well. Collective, never raises.
+    or ``values`` (integers, or floats compared bit for bit) that differ between ranks; None when all is
+    well. Collective, never raises.
 
     ``error`` is this rank's own verdict on its arguments (None when they are fine). A rank that raised
     on its own would leave the others waiting in their next collective, so a rank that refuses its input
@@ -410,10 +412,12 @@ def disagreement(group, what: str, error: str | None = None, *, relay: bool = Fa
     One all-gather of ``len(values) + 65`` int64 per rank (messages are cut at 512 bytes).
     """
     names = list(values)
+    floats = {n for n in names if isinstance(values[n], float)}   # sent as their bits, shown as numbers
+    ints = [struct.unpack("<q", struct.pack("<d", values[n]))[0] if n in floats else int(values[n])
+            for n in names]
     text = (error or "").encode()[:_MESSAGE_BYTES]
     words = torch.frombuffer(bytearray(text.ljust(_MESSAGE_BYTES, b"\0")), dtype=torch.int64)
-    mine = torch.cat([torch.tensor([int(values[n]) for n in names] + [len(text) if error else -1],
-                                   dtype=torch.int64), words])
+    mine = torch.cat([torch.tensor([*ints, len(text) if error else -1], dtype=torch.int64), words])
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     every = torch.empty(size(group), mine.numel(), dtype=torch.int64, device=device)
     all_gather(every, mine.to(every.device), group)
@@ -431,7 +435,11 @@ def disagreement(group, what: str, error: str | None = None, *, relay: bool = Fa
     bad = [name for i, name in enumerate(names) if (every[:, i] != every[0, i]).any()]
     if not bad:
         return None
-    table = "; ".join(f"{name}: " + ", ".join(f"rank {global_rank(group, r)}={int(every[r, i])}"
+    def shown(r: int, i: int):
+        v = int(every[r, i])
+        return struct.unpack("<d", struct.pack("<q", v))[0] if names[i] in floats else v
+
+    table = "; ".join(f"{name}: " + ", ".join(f"rank {global_rank(group, r)}={shown(r, i)}"
                                                for r in range(size(group)))
                       for i, name in enumerate(names) if name in bad)
     return f"{what}: the ranks of {_where(group)} must agree on {', '.join(bad)}, got {table}"

@@ -29,7 +29,6 @@ two hops.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -121,10 +120,6 @@ def capacity(local: int, g: ParmGroups, device: torch.device) -> int:
     return s.hi[0]
 
 
-def _bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
-
-
 def settings(layer, mp_group, ep_group, error: str | None = None) -> None:
     """At set-up: raise on every rank of the layer if one refused its arguments (``error``) or the ranks
     built the layer differently (schedule, chunks, sizes, gating: a rank running S1 while its peers run S2
@@ -133,8 +128,8 @@ def settings(layer, mp_group, ep_group, error: str | None = None) -> None:
     values = dict(schedule=SCHEDULES.index(layer.schedule), overlap_chunks=layer.overlap_chunks,
                   skip_empty_slots=int(layer.skip_empty_slots), debug=int(layer.debug),
                   hidden_size=gate.wg.in_features, num_experts=layer.num_experts, ep_size=layer.ep_size,
-                  k=gate.k, min_capacity=gate.min_capacity, capacity_factor=_bits(gate.capacity_factor),
-                  eval_capacity_factor=_bits(gate.eval_capacity_factor), drop_tokens=int(gate.drop_tokens),
+                  k=gate.k, min_capacity=gate.min_capacity, capacity_factor=float(gate.capacity_factor),
+                  eval_capacity_factor=float(gate.eval_capacity_factor), drop_tokens=int(gate.drop_tokens),
                   use_rts=int(gate.use_rts), use_residual=int(layer.use_residual),
                   expert_tensor_parallel=int(layer.enable_expert_tensor_parallelism),
                   noisy_gate_policy=NOISY_GATE_POLICIES.index(gate.noisy_gate_policy))

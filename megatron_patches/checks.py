@@ -2,8 +2,8 @@
 
 A rank that raised on its own while the others entered the first collective would leave them
 waiting until the backend's timeout. So each rank encodes what it was given (shapes, dtypes,
-team size, layout, causal, scale, and the options that must agree: backward, kernel, the placement
-order, deterministic) in a few integers, the group all-gathers them once, and every rank runs the
+team size, layout, causal, scale, and the options that decide the communication: backward and the
+placement order) in a few integers, the group all-gathers them once, and every rank runs the
 same checks over all ranks' metadata: the first violated rule is raised as the same ValueError
 everywhere, before any of WallFacer's own communication.
 
@@ -12,9 +12,12 @@ a team size or scale that is not a number) are refused locally (:func:`refusal`)
 carries a "refused" bit, and only in that case one more round (``comm.disagreement``) brings the
 refusing rank's message to every rank.
 
+The kernel and ``deterministic`` may differ between ranks (they change a rank's arithmetic, not what it
+sends): they are not compared.
+
 Field layout (``_encode``): q, k, v shapes (5 each: rank, 4 sizes), 3 dtype codes, team size, an
-options word (layout | backward << 2 | kernel << 4 | deterministic << 7 | refused << 8), causal | the
-order's CRC-32 << 1, and the softmax scale's bits.
+options word (layout | backward << 2 | refused << 8), causal | the order's CRC-32 << 1, and the softmax
+scale's bits.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from megatron_patches.layout import LAYOUTS, team_size_error
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKWARDS = ("auto", "kv", "q")
 _FIELDS = 22  # see _encode
-_KERNEL_OBJECT = len(block.KERNELS)  # a kernel passed as an object (block.py)
 
 
 def _shape(t) -> list[int]:
@@ -60,15 +62,12 @@ def _order_crc(order) -> int:
 
 
 def _encode(q, k, v, team_size: int, causal: bool, scale: float | None, layout: str, *,
-            backward: str = "auto", kernel="auto", order=None, deterministic: bool = False,
-            refused: bool = False) -> list[int]:
+            backward: str = "auto", order=None, refused: bool = False) -> list[int]:
     try:
         scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0] if scale is not None else 0
     except (TypeError, ValueError):
         scale_bits = struct.unpack("<q", struct.pack("<d", float("nan")))[0]
-    kernel_code = _KERNEL_OBJECT if not isinstance(kernel, str) else _code(kernel, block.KERNELS, 7)
-    options = (_code(layout, LAYOUTS, 3) | _code(backward, BACKWARDS, 3) << 2 | kernel_code << 4
-               | int(bool(deterministic)) << 7 | int(refused) << 8)
+    options = _code(layout, LAYOUTS, 3) | _code(backward, BACKWARDS, 3) << 2 | int(refused) << 8
     team = team_size if isinstance(team_size, int) and not isinstance(team_size, bool) else -1
     return (_shape(q) + _shape(k) + _shape(v) + [_dtype_code(t) for t in (q, k, v)]
             + [team, options, int(bool(causal)) | _order_crc(order) << 1, scale_bits])
@@ -76,11 +75,9 @@ def _encode(q, k, v, team_size: int, causal: bool, scale: float | None, layout: 
 
 def _options(m: list[int]) -> dict:
     o = m[19]
-    kernels = (*block.KERNELS, "<kernel object>")
     return {"layout": LAYOUTS[o & 3] if o & 3 < len(LAYOUTS) else "?",
             "backward": BACKWARDS[o >> 2 & 3] if o >> 2 & 3 < len(BACKWARDS) else "?",
-            "kernel": kernels[o >> 4 & 7] if o >> 4 & 7 < len(kernels) else "?",
-            "deterministic": bool(o >> 7 & 1), "refused": bool(o >> 8 & 1), "causal": bool(m[20] & 1),
+            "refused": bool(o >> 8 & 1), "causal": bool(m[20] & 1),
             "order": f"crc {m[20] >> 1:08x}" if m[20] >> 1 else "identity"}
 
 
@@ -93,8 +90,7 @@ def _describe(m: list[int]) -> str:
     return (f"q {shape(0)} {dts[0]}, k {shape(5)} {dts[1]}, v {shape(10)} {dts[2]}, team_size={m[18]}, "
             f"layout={o['layout']}, causal={o['causal']}, "
             f"softmax_scale={struct.unpack('<d', struct.pack('<q', m[21]))[0] if m[21] else None}, "
-            f"backward={o['backward']}, kernel={o['kernel']}, order={o['order']}, "
-            f"deterministic={o['deterministic']}")
+            f"backward={o['backward']}, order={o['order']}")
 
 
 def _rule_error(m: list[int], world: int, layout: str) -> str | None:
@@ -138,21 +134,26 @@ def input_error(metas: list[list[int]], layout: str) -> str | None:
         if error:
             where = "" if all(x == m for x in metas) else f"rank {r}: "
             return where + error
-    for r, m in enumerate(metas[1:], start=1):
-        if m != metas[0]:
-            return (f"ranks disagree: rank {r} passes {_describe(m)}; rank 0 passes {_describe(metas[0])}. "
-                    f"Every rank of the group must pass the same shapes, dtypes and arguments")
-    return None
+    # name the rank out of line: the first that differs from what most ranks pass (rank 0's on a tie)
+    common = max(metas, key=metas.count)
+    odd = next((r for r, m in enumerate(metas) if m != common), None)
+    if odd is None:
+        return None
+    ref = metas.index(common)
+    return (f"ranks disagree: rank {odd} passes {_describe(metas[odd])}; rank {ref} passes "
+            f"{_describe(common)}. Every rank of the group must pass the same shapes, dtypes and arguments")
 
 
-def refusal(q, team_size, softmax_scale, world: int, *, backward: str = "auto", kernel="auto", order=None,
-            deterministic: bool = False) -> str | None:
+def refusal(q, team_size, softmax_scale, world: int, *, layout: str = "zigzag", backward: str = "auto",
+            kernel="auto", order=None, deterministic: bool = False) -> str | None:
     """What this rank alone can tell is wrong with its arguments (the value is only known here), or None."""
     if not isinstance(team_size, int) or isinstance(team_size, bool):
         return f"team_size={team_size!r} must be an integer (C, C² dividing P={world})"
-    if softmax_scale is not None and (isinstance(softmax_scale, bool)
-                                      or not isinstance(softmax_scale, int | float)):
+    number = isinstance(softmax_scale, int | float) and not isinstance(softmax_scale, bool)
+    if softmax_scale is not None and not (number and math.isfinite(softmax_scale) and softmax_scale > 0):
         return f"softmax_scale={softmax_scale!r} must be a finite number > 0 or None (1/sqrt(head_dim))"
+    if layout not in LAYOUTS:
+        return f"layout={layout!r} is not one of {LAYOUTS}"
     if backward not in BACKWARDS:
         return f"backward={backward!r} is not one of {BACKWARDS}"
     if order:
@@ -173,16 +174,18 @@ def refusal(q, team_size, softmax_scale, world: int, *, backward: str = "auto", 
 
 def check_inputs(q, k, v, group, team_size: int, causal: bool, softmax_scale: float | None,
                  layout: str, *, backward: str = "auto", kernel="auto", order=None,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, error: str | None = None) -> None:
     """Raise the same ValueError on every rank of ``group`` if any rank's inputs break a rule.
 
+    ``error``: a refusal the caller made itself (WallFacerAttention's forward), raised on every rank.
     One all-gather of 22 int64 per rank over ``group`` (the only communication before the checks; one
     more, with the message, when a rank refused its arguments, see :func:`refusal`).
     """
     world = comm.size(group)
-    opts = dict(backward=backward, kernel=kernel, order=order, deterministic=deterministic)
-    refused = refusal(q, team_size, softmax_scale, world, **opts)
-    mine = _encode(q, k, v, team_size, causal, softmax_scale, layout, refused=refused is not None, **opts)
+    refused = error or refusal(q, team_size, softmax_scale, world, layout=layout, backward=backward,
+                               kernel=kernel, order=order, deterministic=deterministic)
+    mine = _encode(q, k, v, team_size, causal, softmax_scale, layout, backward=backward, order=order,
+                   refused=refused is not None)
     if world == 1:
         metas = [mine]
     else:

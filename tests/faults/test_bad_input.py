@@ -89,16 +89,14 @@ SETTINGS = {  # name: (bad rank, ParmMoE overrides on it, expected text); layers
 
 INITIALIZE = {  # name: (bad rank or None, change, expected text)
     "schedule 'S1', every rank": (None, {"schedule": "S1"}, "ds_plugins.initialize: parm schedule='S1' "
-                                                            "is not "
-                                  "one of ('auto', 's1', 's2', 'deepspeed')"),
+                                  "is not one of ('auto', 's1', 's2', 'deepspeed')"),
     "schedule 's4', rank 2": (2, {"schedule": "s4"}, "rank 2: ds_plugins.initialize: parm schedule='s4'"),
     "schedule s1 vs s2, rank 1": (1, {"schedule": "s2"}, 'ds_plugins.initialize: the "parm" section: the '
                                   "ranks of group world must agree on schedule, got schedule: rank 0=1, "
                                   "rank 1=2, rank 2=1, rank 3=1"),
     "overlap_chunks 2 vs 4, rank 3": (3, {"overlap_chunks": 2}, "must agree on overlap_chunks"),
     "enabled false, rank 2": (2, {"enabled": False}, "must agree on enabled, got enabled: rank 0=1, "
-                                                     "rank 1=1, "
-                              "rank 2=0"),
+                              "rank 1=1, rank 2=0"),
     "timeout_s -1, rank 3": (3, {"timeout_s": -1}, "rank 3: ds_plugins.initialize: parm timeout_s=-1: the "
                              "communication timeout must be a finite number of seconds > 0"),
     "config file missing, rank 0": (0, "missing file", "rank 0: ds_plugins.initialize: DeepSpeed config file "
@@ -107,24 +105,14 @@ INITIALIZE = {  # name: (bad rank or None, change, expected text)
     "section is a list, rank 1": (1, "list", 'rank 1: ds_plugins.initialize: the "parm" section must be a '
                                   "JSON object, got list"),
     "MoE k=0, rank 1": (1, "k0", "rank 1: ds_plugins.initialize: k=0 must be an integer in [1, "
-                                 "num_experts=8]"),
+                        "num_experts=8]"),
     "MoE capacity_factor nan, every rank": (None, "cf nan", "ds_plugins.initialize: capacity_factor=nan "
-                                                            "must be "
-                                            "a finite number > 0"),
+                                            "must be a finite number > 0"),
     "unshardable expert, rank 0": (0, "unshardable", "rank 0: ds_plugins.initialize: expert Unshardable "
                                    "cannot be sharded over ESP size 2"),
     "unknown key, rank 3": (3, {"overlap": 2}, "rank 3: ds_plugins.initialize: unknown key(s) ['overlap'] in "
                             'the "parm" section'),
 }
-
-
-class Unshardable(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(M, M)
-
-    def forward(self, x):
-        return self.fc(x)
 
 
 def _outcome(fn) -> tuple[str, str, list[str]]:
@@ -212,6 +200,7 @@ def _net(change):
     from deepspeed.moe.layer import MoE
 
     from tests.ds_plugins.deepspeed_oracle import mlp
+    from tests.ds_plugins.test_engine import Unshardable
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -354,8 +343,7 @@ MODULE = {  # WallFacerAttention: name: (bad rank or None, change, expected text
     "padding mask type at forward, rank 2": (2, "padding", "rank 2: WallFacerAttention: "
                                              "attn_mask_type=AttnMaskType.padding: only causal and no_mask"),
     "softmax_type off-by-one, every rank": (None, "off-by-one", "WallFacerAttention: "
-                                                                "softmax_type='off-by-one': "
-                                            "only vanilla"),
+                                            "softmax_type='off-by-one': only vanilla"),
     "cp_comm_type a2a+p2p, every rank": (None, "a2a+p2p", "WallFacerAttention: cp_comm_type='a2a+p2p': use "
                                          "one of (None, 'p2p', 'wallfacer')"),
     "timeout_s 0 in the config, every rank": (None, {"timeout_s": 0}, "--commweave-timeout-s=0: the "
@@ -635,18 +623,14 @@ def test_dispatch_combine(case):
 
 
 def _megatron_parser():
-    p = argparse.ArgumentParser(exit_on_error=False)
-    p.add_argument("--context-parallel-size", type=int, default=1)
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--seq-length", type=int)
-    p.add_argument("--num-attention-heads", type=int)
-    p.add_argument("--num-query-groups", type=int, default=None)
-    p.add_argument("--attention-dropout", type=float, default=0.0)
-    p.add_argument("--cp-comm-type", nargs="+", default=["p2p"])
-    return p
+    from tests.megatron_patches.test_args import _megatron_parser as megatron
+
+    parser = megatron()
+    parser.exit_on_error = False       # argparse raises ArgumentError instead of exiting
+    return parser
 
 
-BASE = "--context-parallel-size 8 --seq-length 4096 --num-attention-heads 8"
+BASE = "--context-parallel-size 8 --seq-length 4096 --num-attention-heads 8 --attention-dropout 0"
 
 MEGATRON_ARGS = {  # extra command line -> expected text (argparse errors: the message it prints)
     "--commweave-timeout-s 0": "--commweave-timeout-s='0': the communication timeout must be a finite number "

@@ -238,6 +238,11 @@ def _initialize_cases() -> dict:
             out["initialize: " + name] = _outcome(lambda n=net, c=config: ds_plugins.initialize(
                 model=n, model_parameters=n.parameters(), mpu=lay.mpu, config=c))
         out["timeout untouched"] = comm.timeout_s() == 60
+        net = _net("k0")                                  # refused, but the section's timeout_s is applied
+        _outcome(lambda: ds_plugins.initialize(model=net, model_parameters=net.parameters(), mpu=lay.mpu,
+                                               config={"train_micro_batch_size_per_gpu": S,
+                                                       "parm": {"enabled": True, "timeout_s": 7}}))
+        out["timeout applied"] = comm.timeout_s() == 7
     finally:
         comm.set_timeout(None)
     return out
@@ -272,6 +277,7 @@ def test_initialize_refuses_on_every_rank_before_deepspeed_initialize(world):
     results = world.run(_initialize_cases)
     _check(results, {"initialize: " + n: c[2] for n, c in INITIALIZE.items()}, {"all_gather"})
     assert all(r["timeout untouched"] for r in results)   # a refused "timeout_s" is not applied
+    assert all(r["timeout applied"] for r in results)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -428,6 +434,9 @@ def _module_cases() -> dict:
                 module(q, k, v, forward.pop("attention_mask", None), **forward)
 
             out["WallFacerAttention: " + name] = _outcome(run)
+        WallFacerAttention(TransformerConfig(**config), 1, AttnMaskType.causal, "self",
+                           wallfacer=WallFacerConfig(team_size=2, timeout_s=9))
+        out["timeout applied"] = comm.timeout_s() == 9         # --commweave-timeout-s 9
         return out
     finally:
         ps.destroy_model_parallel()
@@ -440,7 +449,7 @@ def test_wallfacer_refuses_on_every_rank_before_any_ring_step(world):
     expected = {"wallfacer_attention: " + n: c[2] for n, c in ATTENTION.items()}
     expected.update({"WallFacerAttention: " + n: c[2] for n, c in MODULE.items()})
     _check(results, expected, {"all_gather"})
-    assert all(r["healthy"] for r in results)
+    assert all(r["healthy"] and r["timeout applied"] for r in results)
 
 
 # ---------------------------------------------------------------------------------------------------------

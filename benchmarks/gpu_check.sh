@@ -11,6 +11,9 @@
 #               Parm's layer on one GPU)
 #   5. bench    python -m benchmarks.dispatch --device cuda: ours vs DeepSpeed's sparse path, megatron-core's
 #               permute/unpermute and a device-to-device copy
+#   6. parm     python -m benchmarks.parm_gpu_check --device cuda (block "Parm checks" below): a bf16 ParmMoE
+#               forward+backward and a no_grad "auto" forward against DeepSpeed's MoE; dispatch/combine with
+#               hidden sizes 33 and 65, a storage-offset view and a non-default stream against the reference
 # Each step prints PASS, FAIL or SKIP with its time; a failed step skips the ones that need it. The whole
 # log, the pytest report, the benchmark's output and summary.json go to $OUT (the device tool sets it;
 # default .gpu_check/). Exit status 0 only if every step passed. Warm-machine budget: under 7 minutes.
@@ -130,7 +133,8 @@ run_bench() {
 run_gpu() {
     say "commweave GPU check on $(uname -n), $(date -u +%FT%TZ), OUT=$out"
     step gpu 60 gpu_info || { skip wheels "no usable GPU"; skip build "no usable GPU"; skip tests "no usable GPU"
-                              skip bench "no usable GPU"; skip wallfacer_blocks "no usable GPU"; return; }
+                              skip bench "no usable GPU"; skip wallfacer_blocks "no usable GPU"
+                              skip parm "no usable GPU"; return; }
     step wallfacer_blocks 180 wallfacer_blocks
     local have_wheels=1
     if compgen -G ".whl/*.whl" > /dev/null; then
@@ -145,6 +149,7 @@ run_gpu() {
     if ! step build 300 build_cuda; then
         skip tests "the CUDA build failed"
         skip bench "the CUDA build failed"
+        skip parm "the CUDA build failed"
         return
     fi
     step tests 300 run_tests
@@ -153,6 +158,7 @@ run_gpu() {
     else
         skip bench "deepspeed and megatron-core are not installed (no wheels)"
     fi
+    step parm 180 parm_checks
 }
 
 # --- dry run -------------------------------------------------------------------------------------------
@@ -231,6 +237,7 @@ run_dry() {
     step tests 300 collect_cuda_tests
     step bench 300 tiny_bench
     step wallfacer_blocks 300 wallfacer_blocks_dry
+    step parm 300 parm_checks_cpu
 }
 
 # --- WallFacer block kernels (issue 10, item 7) ------------------------------------------------------
@@ -247,6 +254,19 @@ wallfacer_blocks_dry() {
     "$python" -m benchmarks.block_check --device cpu
 }
 # --- end of the WallFacer block ----------------------------------------------------------------------------
+
+# --- Parm checks (issue 9 item 8) --------------------------------------------------------------------------
+# The checks live in benchmarks/parm_gpu_check.py; without deepspeed (no wheels) its layer checks SKIP and
+# the dispatch/combine checks still run. The dry run runs the same checks on the CPU.
+
+parm_checks() {
+    "$python" -m benchmarks.parm_gpu_check --device cuda --json "$out/parm_check.json"
+}
+
+parm_checks_cpu() {
+    DS_ACCELERATOR=cpu "$python" -m benchmarks.parm_gpu_check --device cpu --json "$out/parm_check.json"
+}
+# --- end of the Parm checks ----------------------------------------------------------------------------------
 
 case "${1:-}" in
     --step)  # internal: one step's function, run by step() under its time limit

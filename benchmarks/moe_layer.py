@@ -336,6 +336,8 @@ def run_default(cfg: Config, iters: int, warmup: int) -> dict:
                  for s in ("deepspeed", "s1", "s2")}
     print("\nskipping empty slots, paired wall ratio all slots / filled rows: " +
           ", ".join(f"{s} {g:.2f}x" for s, g in skip_gain.items()))
+    steps = attribution({row: r["ms"] for row, r in res.items()})
+    print_attribution(steps)
     print("\nPROJECTIONS (alpha-beta model, not measured): the same layer, MP = ESP = GPUs per node, "
           "EP = nodes")
     projections = _print_projections(cfg)
@@ -355,10 +357,41 @@ def run_default(cfg: Config, iters: int, warmup: int) -> dict:
         "a2a_bytes_parm_deepspeed_over_s2": a2a["parm deepspeed"] / a2a["parm s2"],
         "a2a_bytes_deepspeed_moe_over_s2": a2a["DeepSpeed MoE"] / a2a["parm s2"],
         "projected_speedup_best_parm_vs_deepspeed_moe": projections,
+        "attribution": {f"{s['schedule']}: {s['step']}": round(s["paired"], 3) for s in steps},
         "load_avg": load_after, "speedup_limit_compute_only_vs_deepspeed_moe": base / med["compute only"]}
     ratios.update(_print_eval(cfg, evals))
     print(json.dumps(ratios))
     return ratios
+
+
+ATTRIBUTION = (("DeepSpeed MoE 0.19.8", "DeepSpeed MoE"),
+               ("`deepspeed` order with the fused dispatch", "parm deepspeed" + ALL_SLOTS),
+               ("+ {schedule}", "parm {schedule}" + ALL_SLOTS),
+               ("+ skipping empty slots", "parm {schedule}"))
+"""The speed-up split into steps, each row adding one thing to the row above it (per schedule)."""
+
+
+def attribution(ms: dict[str, list[float]]) -> list[dict]:
+    """Per schedule S1, S2: each step's paired ratio (median over iterations i of previous_i / row_i,
+    the rows interleaved in one run) and the cumulative paired ratio against DeepSpeed's MoE."""
+    steps = []
+    for schedule in ("s1", "s2"):
+        previous = base = ms[ATTRIBUTION[0][1]]
+        for step, row in ATTRIBUTION:
+            step, row = step.format(schedule=schedule.upper()), row.format(schedule=schedule)
+            times = ms[row]
+            steps.append({"schedule": schedule, "step": step, "row": row, "ms": statistics.median(times),
+                          "paired": statistics.median(p / t for p, t in zip(previous, times, strict=True)),
+                          "cumulative": statistics.median(b / t for b, t in zip(base, times, strict=True))})
+            previous = times
+    return steps
+
+
+def print_attribution(steps: list[dict]) -> None:
+    print("\nattribution of the speed-up (each step: paired ratio to the step above, from this one run)")
+    print(f"{'step':<44}{'row':<26}{'wall ms':>9}{'step':>8}{'vs DeepSpeed MoE':>18}")
+    for s in steps:
+        print(f"{s['step']:<44}{s['row']:<26}{s['ms']:>9.0f}{s['paired']:>7.2f}x{s['cumulative']:>17.2f}x")
 
 
 def _print_projections(cfg: Config) -> dict:

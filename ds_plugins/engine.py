@@ -12,7 +12,8 @@ agreed over the world first (``comm.agree``), so a config or model that one rank
 every rank raise the same ValueError instead of leaving the others in ``deepspeed.initialize``'s
 collectives. ``"timeout_s"`` sets ``comm.set_timeout``. Then ``deepspeed.initialize`` runs unchanged; it
 keeps the ``"parm"`` section verbatim (parm.md §5.7) and sets up the ParmMoE layers through
-``set_deepspeed_parallelism``.
+``set_deepspeed_parallelism``; last, the engine's optimizer is made to save and load the states of
+ESP-sharded experts in DeepSpeed's layout (ds_plugins.checkpoint).
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 from torch import nn
 
 from commweave import comm
-from ds_plugins import experts, inputs
+from ds_plugins import checkpoint, experts, inputs
 from ds_plugins.config import SCHEDULES, ParmConfig
 from ds_plugins.groups import check_layout
-from ds_plugins.moe import ParmMoE
+from ds_plugins.moe import ParmMoE, check_tutel
 
 
 def _config_source(args, config, config_params):
@@ -49,6 +50,7 @@ def check_moe(moe: MoE, world_size: int, tp: int) -> None:
     if error is not None:
         raise ValueError(error)
     check_layout(world_size, tp, moe.ep_size, moe.num_experts)
+    check_tutel(moe.deepspeed_moe.use_tutel)  # True only with Tutel installed (DeepSpeed drops it otherwise)
     esp = tp if moe.enable_expert_tensor_parallelism else 1
     for expert in moe.deepspeed_moe.experts.deepspeed_experts:
         experts.check_shardable(expert, esp)
@@ -98,8 +100,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                debug=int(parm.debug))
     if parm.enabled and model is not None:
         model = swap_moe_layers(model, parm, world, tp)
-    return deepspeed.initialize(args=args, model=model, optimizer=optimizer,
-                                model_parameters=model_parameters, training_data=training_data,
-                                lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
-                                dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
-                                mesh_param=mesh_param, config_params=config_params)
+    out = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
+                               model_parameters=model_parameters, training_data=training_data,
+                               lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
+                               dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                               mesh_param=mesh_param, config_params=config_params)
+    if parm.enabled:
+        checkpoint.install(out[0])  # optimizer states of sharded experts saved in DeepSpeed's layout too
+    return out

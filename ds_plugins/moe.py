@@ -20,12 +20,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from deepspeed.moe.layer import MoE
+from deepspeed.moe.sharded_moe import MOE_TIMER
 from deepspeed.utils import groups as ds_groups
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_group, bwc_tensor_model_parallel_world_size
 from torch import nn
 
 from commweave import comm
-from ds_plugins import agreement, experts, inputs, selector
+from ds_plugins import agreement, checkpoint, experts, inputs, moe_timers, selector
 from ds_plugins.config import ParmConfig, check_overlap_chunks, check_schedule
 from ds_plugins.groups import ParmGroups, check_layout
 from ds_plugins.schedules import SCHEDULES
@@ -44,8 +45,10 @@ class ParmMoE(MoE):
         cost_cache (str, optional): JSON file for the "auto" selector's fitted alpha-beta parameters.
 
     With ``enable_expert_tensor_parallelism`` the experts are sharded over ESP = the tensor-parallel group
-    when DeepSpeed creates the groups (the expert must be a plain two-layer MLP, see ds_plugins.experts);
-    otherwise ESP = 1 and any expert module works.
+    when DeepSpeed creates the groups (a two-layer MLP, ``ds_plugins.experts.SwiGLU`` or any expert with the
+    sharding protocol of ds_plugins.experts); otherwise ESP = 1 and any expert module works. Its
+    ``state_dict`` holds the unsharded experts either way (ds_plugins.checkpoint), as DeepSpeed's MoE does.
+    ``use_tutel=True`` is refused: Parm has its own fused dispatch and combine.
     """
 
     def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1,
@@ -62,6 +65,7 @@ class ParmMoE(MoE):
             top2_2nd_expert_sampling=top2_2nd_expert_sampling)
         if error is not None:
             raise ValueError(f"ParmMoE: {error}")
+        check_tutel(use_tutel)
         config = ParmConfig(enabled=True, schedule=schedule, overlap_chunks=overlap_chunks,
                             skip_empty_slots=skip_empty_slots, debug=debug, cost_cache=cost_cache)
         super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
@@ -127,7 +131,8 @@ class ParmMoE(MoE):
         self.parm_groups = ParmGroups.build(mp, self.deepspeed_moe.ep_group, shard_experts=esp > 1)
         if esp > 1:
             for expert in self.local_experts:
-                experts.shard_(expert, self.parm_groups.esp_rank, esp)
+                experts.shard_(expert, self.parm_groups.esp_rank, esp, self.parm_groups.esp)
+            checkpoint.register_layer_hooks(self)
         if self.schedule == "auto":
             selector.fit(self)
 
@@ -139,12 +144,13 @@ class ParmMoE(MoE):
                                "when using the layer alone")
         error = inputs.forward_error(self, hidden_states, used_token)
         x = None if error else hidden_states.reshape(-1, hidden_states.shape[-1])
-        tokens = agreement.tokens(0 if error else x.shape[0], self.gate.training, self.gate.drop_tokens,
-                                  self.parm_groups, self.gate.wg.weight.device,
-                                  error and f"ParmMoE.forward: {error}")
-        schedule = self.schedule if self.schedule != "auto" else selector.choose(self, tokens, x.dtype)
-        self.last_schedule = schedule
-        out, l_aux, exp_counts = SCHEDULES[schedule](self, x, used_token)
+        with moe_timers.timed(self.deepspeed_moe, MOE_TIMER):
+            tokens = agreement.tokens(0 if error else x.shape[0], self.gate.training, self.gate.drop_tokens,
+                                      self.parm_groups, self.gate.wg.weight.device,
+                                      error and f"ParmMoE.forward: {error}")
+            schedule = self.schedule if self.schedule != "auto" else selector.choose(self, tokens, x.dtype)
+            self.last_schedule = schedule
+            out, l_aux, exp_counts = SCHEDULES[schedule](self, x, used_token)
         self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts = l_aux, exp_counts
         output = out.reshape(hidden_states.shape)
         if self.use_residual:
@@ -154,3 +160,10 @@ class ParmMoE(MoE):
             coef = F.softmax(self.coefficient(hidden_states), dim=-1)
             output = output * coef[..., 0:1] + output_mlp * coef[..., 1:]
         return output, l_aux, exp_counts
+
+
+def check_tutel(use_tutel) -> None:
+    """ValueError for ``use_tutel=True``, which DeepSpeed silently ignores when Tutel is missing."""
+    if use_tutel:
+        raise ValueError(f"use_tutel={use_tutel!r}: ParmMoE does not run Tutel's dispatcher (it has its own "
+                         "fused dispatch and combine, ds_plugins.dispatch); set use_tutel=False")

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from deepspeed.moe.sharded_moe import (
+    TOPK_GATE_TIMER,
     TopKGate,
     multiplicative_jitter,
     top1gating,
@@ -41,7 +42,7 @@ from deepspeed.moe.sharded_moe import (
 )
 
 from commweave import comm
-from ds_plugins import collectives
+from ds_plugins import collectives, moe_timers
 
 
 @dataclass
@@ -87,9 +88,11 @@ def _jittered(gate: TopKGate, x32: torch.Tensor, tokens: int, rows: slice) -> to
 
 
 def route(gate: TopKGate, x: torch.Tensor, used_token: torch.Tensor | None = None) -> Routes:
-    """Gate all S tokens of ``x`` [S, M]."""
-    x32 = _jittered(gate, x.float(), x.shape[0], slice(None))
-    return gating(gate, F.linear(x32, gate.wg.weight.float()), used_token)
+    """Gate all S tokens of ``x`` [S, M]. Timed by the gate's 'topk_gate' timer when the engine's
+    ``wall_clock_breakdown`` is on (ds_plugins.moe_timers), as :func:`route_shard` is."""
+    with moe_timers.timed(gate, TOPK_GATE_TIMER):
+        x32 = _jittered(gate, x.float(), x.shape[0], slice(None))
+        return gating(gate, F.linear(x32, gate.wg.weight.float()), used_token)
 
 
 def route_shard(gate: TopKGate, x_l: torch.Tensor, tokens: int, used_token: torch.Tensor | None,
@@ -100,11 +103,12 @@ def route_shard(gate: TopKGate, x_l: torch.Tensor, tokens: int, used_token: torc
     any block sends one expert (the same on every MP rank). The gate weight goes through an MP copy: its
     gradient is a partial sum over the blocks, all-reduced over MP in the backward (parm.md §2.7).
     """
-    lo = sum(collectives.row_blocks(tokens, mp_size)[:mp_rank])
-    x32 = _jittered(gate, x_l.float(), tokens, slice(lo, lo + x_l.shape[0]))
-    logits_l = F.linear(x32, collectives.copy_to(gate.wg.weight.float(), mp_group))        # [S/N, E]
-    logits = collectives.gather_rows(logits_l, mp_group, tokens)                          # [S, E]: AG(mp)
-    return shard(gating(gate, logits, used_token), mp_rank, mp_size)
+    with moe_timers.timed(gate, TOPK_GATE_TIMER):
+        lo = sum(collectives.row_blocks(tokens, mp_size)[:mp_rank])
+        x32 = _jittered(gate, x_l.float(), tokens, slice(lo, lo + x_l.shape[0]))
+        logits_l = F.linear(x32, collectives.copy_to(gate.wg.weight.float(), mp_group))    # [S/N, E]
+        logits = collectives.gather_rows(logits_l, mp_group, tokens)                      # [S, E]: AG(mp)
+        return shard(gating(gate, logits, used_token), mp_rank, mp_size)
 
 
 def shard(r: Routes, q: int, n: int) -> tuple[Routes, int]:

@@ -31,8 +31,9 @@ import math
 from dataclasses import replace
 
 import torch
+from deepspeed.moe.sharded_moe import FIRST_ALLTOALL_TIMER, SECOND_ALLTOALL_TIMER
 
-from ds_plugins import agreement, collectives, experts, overlap, routing
+from ds_plugins import agreement, collectives, experts, moe_timers, overlap, routing
 from ds_plugins.dispatch import combine, dispatch
 
 
@@ -57,9 +58,11 @@ def _expert_pass(layer, x: torch.Tensor, r: routing.Routes, lay: overlap.Layout,
     fills = overlap.FillExchange(routing.fill(r, e), lay) if layer.skip_empty_slots else None  # A2A(ep)
     buf = dispatch(x, r.indices, r.locations, e, lay.capacity)                    # [E, C_buf, M]
     rows = overlap.Rows.every(lay, x.device) if fills is None else fills.rows()   # AG(esp) of E int32
-    hs = overlap.to_experts(buf, lay, rows)                                       # E_l x [F_j, M]
+    with moe_timers.timed(layer.deepspeed_moe, FIRST_ALLTOALL_TIMER):
+        hs = overlap.to_experts(buf, lay, rows)                                   # E_l x [F_j, M]
     ys = experts.partial_sums(layer.local_experts, hs, s) if run is None else run(hs)
-    out = overlap.from_experts(ys, lay, rows)                                     # [E, C_buf, M]
+    with moe_timers.timed(layer.deepspeed_moe, SECOND_ALLTOALL_TIMER):
+        out = overlap.from_experts(ys, lay, rows)                                 # [E, C_buf, M]
     return combine(out, r.indices, r.locations, r.gates)
 
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from commweave import comm, cost
-from ds_plugins import cost_model, reference
+from ds_plugins import cost_model, experts, reference
 from ds_plugins.cost_model import LayerShape, OpCosts
 from ds_plugins.dispatch import backend, combine, dispatch
 
@@ -272,19 +272,13 @@ def fit(layer) -> None:
 
 def layer_shape(layer, tokens: int, dtype: torch.dtype) -> LayerShape:
     g, gate = layer.parm_groups, layer.gate
-    ffn = layer.local_experts[0][0].out_features * g.esp_size if g.esp_size > 1 else \
-        _ffn_of(layer.local_experts[0], gate.wg.weight.shape[1])
+    ffn = experts.ffn_size(layer.local_experts[0], gate.wg.weight.shape[1])
     return LayerShape(tokens=tokens, hidden=gate.wg.weight.shape[1], ffn=ffn, experts=layer.num_experts,
                       k=gate.k,
                       capacity_factor=gate.capacity_factor if gate.training else gate.eval_capacity_factor,
                       mp=g.mp_size, ep=g.ep_size, esp=g.esp_size, chunks=layer.overlap_chunks,
                       elem_bytes=torch.empty((), dtype=dtype).element_size(), min_capacity=gate.min_capacity,
                       skip_empty_slots=layer.skip_empty_slots)
-
-
-def _ffn_of(expert, hidden: int) -> int:
-    """An unsharded expert's FFN size, for the GEMM term; its parameter count over 2·M for other modules."""
-    return max(1, sum(p.numel() for p in expert.parameters()) // (2 * hidden))
 
 
 def choose(layer, tokens: int, dtype: torch.dtype) -> str:

@@ -4,10 +4,16 @@ DC-ordered rank layout; ``python -m launch.plan TOPOLOGY`` prints it.
 Algorithm 1 (as reimplemented by SAILOR, ``eth-easl/sailor`` atlas_planner.py): sort the data
 centers by free GPUs, largest first; give each in turn as many *whole* stages (tp·dp GPUs each) as
 it holds, consecutive stages to the same DC, until pp stages are placed. Pipeline stages therefore
-cross the WAN and every stage's DP and TP ranks stay inside one DC. Around it, SAILOR's search:
-every (pp, tp, dp) whose layout places and fits in memory is scored by :mod:`launch.estimate`
-(closed form for all, the discrete-event simulator for the best few); the fastest iteration wins,
-fewer GPUs on a tie. That choice is also how ATLAS "picks how many GPUs to use in each DC".
+cross the WAN and every stage's DP and TP ranks stay inside one DC. Around it, SAILOR's search over
+every (pp, tp, dp), widened here (:func:`placements`): the fill in every order of the DCs and every
+order of the used DCs along the pipeline (link bandwidth and latency decide it with 3+ DCs); layers
+in proportion to each stage's GPU speed (``gpu_tflops``) within its memory; the sharing mode
+(temporal or spatial) and the number of TCP connections (:func:`fill_connections`) chosen with the
+layout. Every candidate is ranked by the discrete-event simulator (:mod:`launch.search`: branch and
+bound on a proven lower bound, so none that could win is skipped); the fastest iteration wins, fewer
+GPUs on a tie. That choice is also how ATLAS "picks how many GPUs to use in each DC". Nothing here
+reads this machine's sysctls: a WAN connection's window is the topology's ``window_mb`` or Linux's
+default (launch.sockets.DEFAULT_WINDOW); the launcher reports local TCP settings as warnings only.
 
 Rank layout: pipe is the outermost axis in both DeepSpeed's ``PipeModelDataParallelTopology``
 (axes pipe, data, model) and Megatron's default order ``tp-cp-ep-dp-pp``, so with the hostfile in
@@ -17,21 +23,19 @@ occupies the contiguous ranks [s·tp·dp, (s+1)·tp·dp) on hosts of DC(s).
 
 from __future__ import annotations
 
-import argparse
 import base64
 import json
 import math
 import sys
 from dataclasses import asdict, dataclass, replace
+from itertools import pairwise, permutations
 from pathlib import Path
 
-from launch import topology as topology_mod
-from launch.estimate import Estimate, ModelSpec, estimate, stage_layers
-from launch.sockets import host_window, nccl_split
+from launch.estimate import Estimate, Layout, ModelSpec, build, layer_caps, link_window, split_layers
+from launch.search import Choice, best
+from launch.simulate import simulate
+from launch.sockets import DEFAULT_WINDOW, NCCL_MAX_SOCKETS, nccl_split
 from launch.topology import Topology
-
-SIMULATE_TOP = 8          # candidates re-scored by the simulator after the closed-form ranking
-SIMULATE_MAX_OPS = 200_000  # skip the simulator beyond this many ops (pp·dp·M·2); closed form only
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,71 +171,141 @@ def assign_hosts(topo: Topology, stage_dc: list[str], tp: int, dp: int) -> list[
     return out
 
 
-def make_plan(topo: Topology, model: ModelSpec, connections: int = 8, sharing: str = "temporal",
-              window: float | None = None) -> Plan:
-    """Search (pp, tp, dp), place with Algorithm 1, keep the fastest estimated layout."""
-    if sharing not in ("temporal", "spatial"):
-        raise ValueError(f"sharing={sharing!r}: use 'temporal' or 'spatial'")
-    nccl_split(connections)  # the same limits as the launcher: 1..64 connections
-    window = host_window() if window is None else window
+def placements(topo: Topology, pp: int, tp: int, dp: int) -> list[tuple[str, ...]]:
+    """Stage-to-DC maps for pp stages of tp·dp GPUs: Algorithm 1's whole-stage greedy fill, in every
+    order of the data centers (Algorithm 1's own, largest first, is one of them; another order lets a
+    smaller but faster DC come first), and for each, every order of the used DCs along the pipeline
+    (with three or more DCs the order decides which WAN links the pipeline crosses). Beyond 4 DCs only
+    Algorithm 1's fill and its order. The simulator chooses among them."""
+    names = topo.dc_names
+    by_size = sorted(names, key=lambda d: -usable_gpus(topo, d, tp))   # Algorithm 1's order, first:
+    fills = [tuple(by_size)]                                           # it wins ties (search.py)
+    if len(names) <= 4:
+        fills += [p for p in permutations(by_size) if list(p) != by_size]
+    seen, out = set(), []
+    for order in fills:
+        left, counts = pp, {}
+        for d in order:
+            k = min(left, usable_gpus(topo, d, tp) // (tp * dp))
+            if k:
+                counts[d] = k
+            left -= k
+        if left:
+            continue
+        used = list(counts)                  # in fill order, so the fill's own chain comes first
+        for chain in permutations(used) if len(used) <= 4 else [used]:
+            stage_dc = tuple(d for d in chain for _ in range(counts[d]))
+            if stage_dc not in seen:
+                seen.add(stage_dc)
+                out.append(stage_dc)
+    return out
+
+
+def fill_connections(topo: Topology, stage_dc: tuple[str, ...], tp: int, window: float) -> int:
+    """The fewest TCP connections per WAN rank pair with which one boundary transfer (tp ranks in
+    parallel) fills every WAN link the pipeline crosses: ceil(B·RTT / (tp·window)), at most NCCL's 64
+    sockets (NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD, atlas.md §2.1). More never helps (the
+    link is full), fewer leave a lone transfer below the link rate; 1 when nothing crosses."""
+    need = 1
+    for a, b in pairwise(stage_dc):
+        if a != b:
+            w = topo.link(a, b)
+            need = max(need, math.ceil(w.bandwidth * w.rtt / (tp * link_window(w, window)) - 1e-9))
+    return min(need, NCCL_MAX_SOCKETS)
+
+
+def atlas_layouts(topo: Topology, model: ModelSpec, window: float, connections: int | None = None):
+    """ATLAS's candidates: every (pp, tp, dp) the model section allows, every placement, layers in
+    proportion to the stages' GPU speed within their memory, connections chosen per placement."""
     max_slots = max(h.slots for h in topo.hosts)
-    sequences = model.global_batch // model.micro_batch
     tps = [model.tp] if model.tp else [t for t in range(1, max_slots + 1) if max_slots % t == 0]
     pps = [model.pp] if model.pp else range(1, model.layers + 1)
-    dps = [model.dp] if model.dp else [d for d in range(1, sequences + 1) if sequences % d == 0]
-    if model.dp and sequences % model.dp:
-        raise ValueError(f"model.dp={model.dp}: global_batch/micro_batch = {sequences} sequences per "
-                         "iteration must divide by dp")
+    dps = [model.dp] if model.dp else [d for d in range(1, model.sequences + 1) if model.sequences % d == 0]
     total = sum(h.slots for h in topo.hosts)
-    scored, placed_any, smallest_mem = [], False, math.inf
     for tp in tps:
         for pp in pps:
             for dp in dps:
                 if pp * tp * dp > total:
                     continue
-                stage_dc = place(topo, pp, tp, dp)
-                if stage_dc is None:
-                    continue
-                placed_any = True
-                est = estimate(topo, model, stage_dc, tp, dp, connections, sharing, window, False)
-                capacity = min(topo.dc(d).gpu_memory for d in set(stage_dc))
-                smallest_mem = min(smallest_mem, est.memory)
-                if est.memory <= capacity:
-                    scored.append((est.iteration, pp * tp * dp, pp, tp, dp, stage_dc))
-    if not scored:
-        raise ValueError(_infeasible(topo, model, tps, placed_any, smallest_mem))
-    scored.sort(key=lambda c: (c[0], c[1]))
-    best = None
-    for _, _, pp, tp, dp, stage_dc in scored[:SIMULATE_TOP]:
-        sim = 2 * pp * dp * model.micro_batches(dp) <= SIMULATE_MAX_OPS
-        est = estimate(topo, model, stage_dc, tp, dp, connections, sharing, window, sim)
-        if best is None or (est.iteration, pp * tp * dp) < (best[0].iteration, best[1] * best[2] * best[3]):
-            best = (est, pp, tp, dp, stage_dc)
-    est, pp, tp, dp, stage_dc = best
-    plan = Plan(pp, tp, dp, model.micro_batches(dp), tuple(stage_dc),
-                tuple(stage_layers(model.layers, pp)), tuple(assign_hosts(topo, stage_dc, tp, dp)),
-                connections, sharing, est)
+                for stage_dc in placements(topo, pp, tp, dp):
+                    speeds = [topo.dc(d).gpu_flops for d in stage_dc]
+                    caps = layer_caps(topo, model, list(stage_dc), tp, dp)
+                    layers = split_layers(model.layers, speeds, caps)
+                    if layers is None:
+                        continue
+                    conns = connections or fill_connections(topo, stage_dc, tp, window)
+                    yield Layout(tp, tuple((d,) * dp for d in stage_dc), tuple(layers), conns, "spatial",
+                                 atlas_runtime=True)
+
+
+def choose(topo: Topology, model: ModelSpec, connections: int | None = None, sharing: str | None = None,
+           window: float = DEFAULT_WINDOW) -> Choice:
+    """ATLAS's layout: the simulator's fastest candidate (launch.search), the sharing mode and the
+    number of connections chosen with it unless fixed here."""
+    if sharing not in (None, "temporal", "spatial"):
+        raise ValueError(f"sharing={sharing!r}: use 'temporal' or 'spatial' (or None: the planner chooses)")
+    if connections is not None:
+        nccl_split(connections)  # the same limits as the launcher: 1..64 connections
+    if model.dp and model.sequences % model.dp:
+        raise ValueError(f"model.dp={model.dp}: global_batch/micro_batch = {model.sequences} sequences per "
+                         "iteration must divide by dp")
+    sharings = (sharing,) if sharing else ("spatial", "temporal")
+    found = best(topo, model, atlas_layouts(topo, model, window, connections), window, sharings)
+    if found is None:
+        max_slots = max(h.slots for h in topo.hosts)
+        tps = [model.tp] if model.tp else [t for t in range(1, max_slots + 1) if max_slots % t == 0]
+        raise ValueError(_infeasible(topo, model, tps))
+    return found
+
+
+def make_plan(topo: Topology, model: ModelSpec, connections: int | None = None, sharing: str | None = None,
+              window: float | None = None) -> Plan:
+    """Search (pp, tp, dp), placement, sharing and connections; keep the simulator's fastest layout.
+
+    ``connections``/``sharing`` fix those choices (None: the planner picks them); ``window`` is one
+    TCP connection's window on WAN links without ``window_mb`` (default: Linux's default buffers,
+    launch.sockets.DEFAULT_WINDOW) — never this machine's sysctls, which only produce warnings."""
+    window = DEFAULT_WINDOW if window is None else window
+    return plan_of(topo, model, choose(topo, model, connections, sharing, window), window)
+
+
+def layout_of(plan: Plan) -> Layout:
+    """A plan's layout, as the simulator takes it (launch.estimate.build)."""
+    return Layout(plan.tp, tuple((d,) * plan.dp for d in plan.stage_dc), plan.stage_layers, plan.connections,
+                  plan.sharing, atlas_runtime=True)
+
+
+def plan_of(topo: Topology, model: ModelSpec, found: Choice, window: float) -> Plan:
+    lay, res = found.layout, found.result
+    stage_dc = [s[0] for s in lay.dc]
+    est = Estimate(res.iteration, found.bound, True, res.utilisation, found.memory)
+    plan = Plan(lay.pp, lay.tp, lay.dp, model.micro_batches(lay.dp), tuple(stage_dc), lay.stage_layers,
+                tuple(assign_hosts(topo, stage_dc, lay.tp, lay.dp)), lay.connections, lay.sharing, est)
     links = [topo.link(stage_dc[s], stage_dc[s + 1]) for s in plan.wan_boundaries()]
-    return replace(plan, what_if=_what_if(topo, model, plan, window),
+    return replace(plan, what_if=_what_if(topo, model, lay, window),
                    wan_links=tuple((w.a, w.b, w.rtt, w.bandwidth) for w in links))
 
 
-def _what_if(topo: Topology, model: ModelSpec, plan: Plan, window: float) -> tuple[tuple[str, float], ...]:
+def _what_if(topo: Topology, model: ModelSpec, lay: Layout, window: float) -> tuple[tuple[str, float], ...]:
     """The same layout under the other sharing mode and with a single TCP connection."""
-    if not plan.wan_boundaries():
+    if not lay.crosses_wan:
         return ()
-    sim = plan.estimate.simulated
-    other = "spatial" if plan.sharing == "temporal" else "temporal"
-    variants = [(f"{other} sharing", plan.connections, other),
-                ("1 connection", 1, plan.sharing), (f"1 connection, {other} sharing", 1, other)]
-    return tuple((label, estimate(topo, model, list(plan.stage_dc), plan.tp, plan.dp, conns, sharing,
-                                  window, sim).iteration) for label, conns, sharing in variants)
+    other = "spatial" if lay.sharing == "temporal" else "temporal"
+    variants = [(f"{other} sharing", lay.connections, other),
+                ("1 connection", 1, lay.sharing), (f"1 connection, {other} sharing", 1, other)]
+    return tuple((label, simulate(build(topo, model, replace(lay, connections=k, sharing=mode),
+                                        window)).iteration) for label, k, mode in variants)
 
 
-def _infeasible(topo: Topology, model: ModelSpec, tps: list[int], placed_any: bool, mem: float) -> str:
+def _infeasible(topo: Topology, model: ModelSpec, tps: list[int]) -> str:
     fixed = {k: getattr(model, k) for k in ("pp", "tp", "dp") if getattr(model, k)}
     offer = ", ".join(f"{d.name}: {d.gpus}" for d in topo.datacenters)
-    if not placed_any:
+    pps = [model.pp] if model.pp else range(1, model.layers + 1)
+    dps = [model.dp] if model.dp else [d for d in range(1, model.sequences + 1) if model.sequences % d == 0]
+    # the least memory a placeable layout needs: even layers, stage 0's in-flight micro-batches
+    need = [model.stage_memory(-(-model.layers // pp), min(pp, model.micro_batches(dp)), tp)
+            for tp in tps for pp in pps for dp in dps if place(topo, pp, tp, dp) is not None]
+    if not need:
         want = ""
         if len(fixed) == 3:
             want = (f"pp={model.pp} stages of tp x dp = {model.tp * model.dp} GPUs "
@@ -239,8 +313,8 @@ def _infeasible(topo: Topology, model: ModelSpec, tps: list[int], placed_any: bo
         return (f"{topo.source}: too few GPUs for the plan: {want or f'fixed {fixed} '}cannot be placed; "
                 f"the data centers offer {offer} GPUs (tp groups never span hosts, stages never span "
                 "data centers)")
-    return (f"{topo.source}: too few GPUs for the plan: the smallest layout needs {mem / 2**30:.1f} GiB "
-            f"per GPU, more than the data centers' GPUs hold; offered GPUs {offer}"
+    return (f"{topo.source}: too few GPUs for the plan: the smallest layout needs {min(need) / 2**30:.1f} "
+            f"GiB per GPU, more than the data centers' GPUs hold; offered GPUs {offer}"
             + (f" with fixed {fixed}" if fixed else ""))
 
 
@@ -270,7 +344,7 @@ def render(plan: Plan, topo: Topology, model: ModelSpec) -> str:
         lines.append("  WAN      not crossed (the plan fits in one data center)")
     e = plan.estimate
     if e is not None:
-        how = f"simulated; closed form {e.analytic:.4g} s" if e.simulated else "closed form"
+        how = f"simulated; lower bound {e.lower_bound:.4g} s" if e.simulated else "lower bound"
         lines.append(f"  estimate {e.iteration:.4g} s per iteration ({how}), GPU utilisation "
                      f"{100 * e.utilisation:.0f}%, peak memory {e.memory / 2**30:.2f} GiB per GPU")
     for label, t in plan.what_if:
@@ -294,31 +368,10 @@ def load_model(topo: Topology, model_file: str | None) -> ModelSpec:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m launch.plan", description=__doc__.splitlines()[0])
-    ap.add_argument("topology", help="the ATLAS topology file (JSON)")
-    ap.add_argument("--atlas-model", default=None, help="JSON with the model section (else the topology's)")
-    ap.add_argument("--wan-connections", type=int, default=8, help="TCP connections per WAN pair")
-    ap.add_argument("--sharing", choices=("temporal", "spatial"), default="temporal")
-    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
-    ap.add_argument("--bubbletea", action="store_true", help="add the utilisation with BubbleTea's prefill")
-    args = ap.parse_args(argv)
-    try:
-        topo = topology_mod.load(args.topology)
-        model = load_model(topo, args.atlas_model)
-        plan = make_plan(topo, model, args.wan_connections, args.sharing)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(plan.to_json() if args.json else render(plan, topo, model))
-    if args.bubbletea:
-        from launch.bubbletea.simulate import for_plan, render_line
+    """``python -m launch.plan TOPOLOGY``: the plan, the baselines' table, the timeline (launch.report)."""
+    from launch.report import cli
 
-        bt = for_plan(topo, model, plan)
-        if not args.json:
-            print(render_line(bt))
-        print(json.dumps({"iteration_s": bt.iteration, "utilisation": bt.utilisation_training,
-                          "utilisation_bubbletea": bt.utilisation}))
-    return 0
+    return cli(argv)
 
 
 if __name__ == "__main__":

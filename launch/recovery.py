@@ -62,7 +62,8 @@ def recover(wan, pair, failing, failed: dict[int, Exception]) -> None:
                 why = f"after {limit} retr{'y' if limit == 1 else 'ies'}"
             raise type(e)(f"ATLAS WAN: {failing.what} failed {why}: stripe {i} of {len(failing.views)} on "
                           f"{pair.connection(i)} (group {pair.name}, peer rank {peer}): {e}") from e
-        theirs = _exchange(pair, me, peer, {"sent": pair.done.get(me, 0), "received": pair.done.get(peer, 0)})
+        theirs = _exchange(pair, me, peer, failing.what,
+                           {"sent": pair.done.get(me, 0), "received": pair.done.get(peer, 0)})
         old = pair.group
         wan.open_pair(pair.ranks, local=True)
         dist.destroy_process_group(old)
@@ -107,7 +108,7 @@ def _report(wan, pair, failing, failed: dict[int, Exception], limit: int, hopele
                   f"{next(iter(failed.values()))}; {action}", RuntimeWarning, stacklevel=3)
 
 
-def _exchange(pair, me: int, peer: int, mine: dict) -> dict:
+def _exchange(pair, me: int, peer: int, what: str, mine: dict) -> dict:
     """Both ranks of the pair publish their counts under the broken group's name; returns the peer's."""
     store = dist.distributed_c10d._get_default_store()
     tag = f"atlas-wan/{dist.distributed_c10d._get_process_group_name(pair.group)}"
@@ -117,6 +118,6 @@ def _exchange(pair, me: int, peer: int, mine: dict) -> dict:
         store.wait([f"{tag}/{peer}"], timedelta(seconds=seconds))
         return json.loads(store.get(f"{tag}/{peer}"))
     except (RuntimeError, dist.DistStoreError) as e:
-        raise comm.CommTimeout(f"ATLAS WAN: {pair.name}: peer rank {peer} did not join the repair of the "
-                               f"broken connection within COMMWEAVE_TIMEOUT_S={seconds:g} s: it is dead, "
-                               f"frozen, or saw its side of the transfer complete ({e})") from e
+        raise comm.CommTimeout(f"ATLAS WAN: {what}: peer rank {peer} did not join the repair of the "
+                               f"broken connection of {pair.name} within COMMWEAVE_TIMEOUT_S={seconds:g} s: "
+                               f"it is dead, frozen, or saw its side of the transfer complete ({e})") from e

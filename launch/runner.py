@@ -1,6 +1,6 @@
 """``deepspeed-atlas``: DeepSpeed's launcher with ATLAS's plan in front of it.
 
-    deepspeed-atlas --atlas-topology configs/atlas_two_dc.json --wan-connections 8 \\
+    deepspeed-atlas --atlas-topology configs/atlas_two_dc.json [--wan-connections N] [--atlas-sharing MODE] \\
         [every deepspeed runner argument] train.py [script arguments]
 
 1. checks every input before anything runs, and stops with a ``ValueError`` message (exit status 2)
@@ -77,10 +77,11 @@ def deepspeed_parser() -> argparse.ArgumentParser:
     g.add_argument("--atlas-topology", required=True, metavar="FILE",
                    help="topology JSON: data centers, hosts and slots, WAN rtt_ms/bandwidth_gbps")
     g.add_argument("--atlas-model", metavar="FILE", help="model JSON (else the topology's \"model\")")
-    g.add_argument("--wan-connections", type=int, default=8, metavar="N",
-                   help="TCP connections per WAN pipeline pair (1..64)")
-    g.add_argument("--atlas-sharing", choices=("temporal", "spatial"), default="temporal",
-                   help="how DP replicas share a WAN link: take turns (temporal) or at once (spatial)")
+    g.add_argument("--wan-connections", type=int, default=None, metavar="N",
+                   help="TCP connections per WAN pipeline pair (1..64; default: the planner chooses)")
+    g.add_argument("--atlas-sharing", choices=("temporal", "spatial"), default=None,
+                   help="how DP replicas share a WAN link: take turns (temporal) or at once (spatial); "
+                        "default: the planner chooses")
     g.add_argument("--atlas-host", metavar="NAME", help="with --no_ssh: this host's name in the topology")
     g.add_argument("--atlas-hostfile", metavar="PATH", help="keep the generated hostfile at PATH")
     g.add_argument("--atlas-timeout", metavar="SECONDS",
@@ -131,11 +132,11 @@ def prepare(argv: list[str], environ: Mapping[str, str] | None = None) -> Launch
     topo, slot_ids = _filter(full, args.include, args.exclude)
     model = load_model(topo, args.atlas_model)
     plan = make_plan(topo, model, args.wan_connections, args.atlas_sharing)
-    env = {"ATLAS_WAN_CONNS": str(args.wan_connections), "ATLAS_SHARING": args.atlas_sharing,
+    env = {"ATLAS_WAN_CONNS": str(plan.connections), "ATLAS_SHARING": plan.sharing,
            "ATLAS_LAUNCHER": launcher}
     links = [topo.link(plan.stage_dc[s], plan.stage_dc[s + 1]) for s in plan.wan_boundaries()]
     if links:
-        env.update(nccl_env(args.wan_connections, links, environ))
+        env.update(nccl_env(plan.connections, links, environ))
     env[runtime.ENV_PLAN] = plan.encode()
     if args.atlas_timeout is not None:
         env[TIMEOUT_ENV] = str(topology.check_seconds(args.atlas_timeout, "--atlas-timeout"))
@@ -186,7 +187,7 @@ def prepare(argv: list[str], environ: Mapping[str, str] | None = None) -> Launch
                             for h in plan.hosts)
     hostfile = args.atlas_hostfile or ""
     return Launch(plan, render(plan, topo, model), head + extra + ["--hostfile", hostfile] + argv[script_at:],
-                  env, hostfile, tcp_advice(links, args.wan_connections), node, launcher=launcher,
+                  env, hostfile, tcp_advice(links, plan.connections), node, launcher=launcher,
                   hostfile_text=hostfile_text, launcher_args=launcher_args, dry_run=args.dry_run)
 
 

@@ -2,24 +2,28 @@
 
 What it models (atlas.md §1.5–1.6; the choices are ours where the paper's text was not available):
 
-- D data-parallel replicas of an S-stage pipeline, each stage running its own schedule
-  (1F1B or GPipe) over M micro-batches: ``F(s, m)`` takes ``t_f[s]``, ``B(s, m)`` takes ``t_b[s]``.
+- D data-parallel replicas of an S-stage pipeline; stage s of replica d (a "row": its tp GPUs run
+  in lockstep) runs its schedule (1F1B or GPipe) over M micro-batches: ``F(s, m)`` takes
+  ``t_f[s][d]``, ``B(s, m)`` takes ``t_b[s][d]`` (replicas may sit on GPUs of different speeds).
   F(s, m) needs the activation of micro-batch m from stage s−1, B(s, m) the gradient from s+1.
-- Sends are asynchronous: a stage posts its send and goes on computing (Megatron's overlapped p2p;
-  on DeepSpeed's blocking p2p the stage would also wait, which only adds to the exposed time).
-- Each stage boundary has a link per direction. An intra-DC boundary gives every replica its own
-  path (time = latency + bytes/bandwidth). A WAN boundary is one link shared by the D replicas'
-  transfers, and each transfer is also capped at ``per_transfer_cap`` bytes/s (connections ×
-  window/RTT, mechanism A). Sharing is
-  * ``spatial``: fluid processor sharing, each active transfer at min(cap, B/n) (what TCP gives);
-  * ``temporal``: one transfer at a time at min(cap, B), in token order (micro-batch, then replica).
-    The link waits for the next token's transfer even if a later one is ready (ATLAS §1.5 step 3).
-  A transfer's data arrives one latency after its last byte leaves.
-- After a replica's last backward on a stage, the stage's DP all-reduce (``allreduce[s]`` seconds)
-  runs; the iteration ends when the last all-reduce ends.
+- Sends block: a row that finished an op waits until its send of that op's output has left (the
+  last byte), as DeepSpeed's pipeline engine (``p2p.send`` in instruction order), Megatron's
+  ``send_forward_recv_backward`` & co. (they wait on their requests unless ``overlap_p2p_comm``) and
+  ATLAS's own WAN p2p (launch/wan_p2p.py: a temporal send holds the token until its transfer is
+  done) all do; with temporal sharing that includes waiting for the token. ``blocking_sends=False``
+  posts the send and goes on computing (the idealised pipeline of atlas.md §1.5).
+- Every (boundary, replica) has a :class:`Route`. A private route (inside a DC) costs latency +
+  bytes/rate. A WAN route puts the transfer on a shared direction of a WAN link
+  (:class:`launch.fluid.WanDirection`): striped over ``streams`` TCP connections each capped at
+  ``stream_cap`` (window/RTT), shared with every other transfer on that direction, spatially (all at
+  once, per-connection fair) or temporally (token rings per boundary and direction).
+- After the last backward of all replicas of stage s, the stage's data-parallel gradient all-reduce
+  (:class:`Collective`) runs: ``seconds`` inside the data centers and, for a group that spans data
+  centers, WAN flows that share the links with everything else. The iteration ends with the last op.
 
-The worked example of atlas.md §1.5 (two stages, D = 2, transfers of one time unit) is reproduced
-exactly by tests/launch/test_simulate.py, and so is the design note's toy 1F1B/GPipe table.
+The result keeps every op (:class:`launch.timeline.Op`) of the iteration: what the timeline draws
+and what BubbleTea reads its idle windows from. The worked example of atlas.md §1.5 and the design
+note's toy table are reproduced exactly by tests/launch/test_simulate.py.
 """
 
 from __future__ import annotations
@@ -27,76 +31,160 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import count
 
+from launch.fluid import Flow, WanDirection
+from launch.timeline import Op
+
+INF = float("inf")
 _EPS = 1e-12
 
 
 @dataclass(frozen=True, slots=True)
+class Route:
+    """How one replica's transfer crosses a boundary; forward goes wan[0] -> wan[1], backward back."""
+
+    latency: float                    # one way, seconds
+    bandwidth: float                  # bytes/s of the path (the whole WAN link for a WAN route)
+    wan: tuple[str, str] | None = None   # None: a private path inside a data center
+    streams: int = 1                  # TCP connections the transfer is striped over
+    stream_cap: float = INF           # bytes/s one connection reaches (window/RTT)
+
+    def alone(self, nbytes: float) -> float:
+        """Seconds from the first byte sent to the last byte received with the path to itself."""
+        return self.latency + nbytes / min(self.bandwidth, self.streams * self.stream_cap)
+
+
+@dataclass(frozen=True, slots=True)
+class WanFlow:
+    """The bytes a collective pushes through one WAN direction."""
+
+    src: str
+    dst: str
+    nbytes: float
+    latency: float
+    bandwidth: float
+    streams: int = 1
+    stream_cap: float = INF
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    """A stage's DP all-reduce: ``seconds`` inside DCs, overlapped with its WAN ``flows`` (if any)."""
+
+    seconds: float = 0.0
+    flows: tuple[WanFlow, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    t_f: tuple[tuple[float, ...], ...]        # [stage][replica] seconds per micro-batch
+    t_b: tuple[tuple[float, ...], ...]
+    routes: tuple[tuple[Route, ...], ...]     # [boundary s -> s+1][replica]
+    act_bytes: float                          # bytes per micro-batch crossing a boundary
+    micro_batches: int
+    schedule: str = "1f1b"                    # "1f1b" | "gpipe"
+    sharing: str = "temporal"                 # "temporal" | "spatial" (WAN p2p transfers)
+    collectives: tuple[Collective, ...] = ()  # per stage (empty: none)
+    blocking_sends: bool = True               # a row waits for its send to complete (see module doc)
+
+    @property
+    def stages(self) -> int:
+        return len(self.t_f)
+
+    @property
+    def replicas(self) -> int:
+        return len(self.t_f[0])
+
+    def __post_init__(self) -> None:
+        S = len(self.t_f)
+        if S < 1 or len(self.t_b) != S or len(self.routes) != S - 1:
+            raise ValueError(f"Job: t_f ({S}), t_b ({len(self.t_b)}) and routes ({len(self.routes)}) "
+                             "must describe S stages and S−1 boundaries")
+        D = len(self.t_f[0])
+        if any(len(x) != D for x in (*self.t_f, *self.t_b, *self.routes)):
+            raise ValueError(f"Job: every stage and boundary needs one entry per replica ({D})")
+        if self.micro_batches < 1 or D < 1:
+            raise ValueError(f"Job: micro_batches={self.micro_batches} and replicas={D} must be >= 1")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"Job.schedule={self.schedule!r}: use '1f1b' or 'gpipe'")
+        if self.sharing not in ("temporal", "spatial"):
+            raise ValueError(f"Job.sharing={self.sharing!r}: use 'temporal' or 'spatial'")
+        if self.collectives and len(self.collectives) != S:
+            raise ValueError(f"Job.collectives has {len(self.collectives)} entries for {S} stages")
+
+
+@dataclass(frozen=True, slots=True)
 class Link:
-    """One stage boundary; each direction is a separate resource with these properties."""
+    """A boundary every replica crosses the same way (the :class:`Pipeline` shorthand)."""
 
     latency: float
     bandwidth: float                  # bytes/s of the whole link
     shared: bool = False              # a WAN link shared by the D replicas
-    per_transfer_cap: float = float("inf")   # bytes/s one transfer can reach (multi-TCP limit)
+    per_transfer_cap: float = INF     # bytes/s one transfer can reach (multi-TCP limit)
 
 
 @dataclass(frozen=True, slots=True)
 class Pipeline:
-    t_f: Sequence[float]              # forward seconds per micro-batch, per stage
-    t_b: Sequence[float]              # backward seconds per micro-batch, per stage
-    links: Sequence[Link]             # boundary s -> s+1 (used in both directions), len S−1
-    act_bytes: float                  # bytes per micro-batch crossing a boundary, either direction
+    """Shorthand for a :class:`Job` whose replicas are identical (each shared link its own WAN), with
+    asynchronous sends: the idealised pipeline of atlas.md §1.5's worked example and toy table."""
+
+    t_f: Sequence[float]
+    t_b: Sequence[float]
+    links: Sequence[Link]             # boundary s -> s+1, len S−1
+    act_bytes: float
     micro_batches: int
     replicas: int = 1
-    schedule: str = "1f1b"            # "1f1b" | "gpipe"
-    sharing: str = "temporal"         # "temporal" | "spatial"
-    allreduce: Sequence[float] = ()   # DP all-reduce seconds per stage (0 when absent)
+    schedule: str = "1f1b"
+    sharing: str = "temporal"
+    allreduce: Sequence[float] = ()   # DP all-reduce seconds per stage
 
     def __post_init__(self) -> None:
-        s = len(self.t_f)
-        if s < 1 or len(self.t_b) != s or len(self.links) != s - 1:
+        self.job()   # validates
+
+    def job(self) -> Job:
+        D = self.replicas
+        if len(self.t_b) != len(self.t_f) or len(self.links) != len(self.t_f) - 1:
             raise ValueError(f"Pipeline: t_f ({len(self.t_f)}), t_b ({len(self.t_b)}) and links "
                              f"({len(self.links)}) must describe S stages and S−1 boundaries")
-        if self.micro_batches < 1 or self.replicas < 1:
-            raise ValueError(f"Pipeline: micro_batches={self.micro_batches} and replicas={self.replicas} "
-                             "must be >= 1")
-        if self.schedule not in ("1f1b", "gpipe"):
-            raise ValueError(f"Pipeline.schedule={self.schedule!r}: use '1f1b' or 'gpipe'")
-        if self.sharing not in ("temporal", "spatial"):
-            raise ValueError(f"Pipeline.sharing={self.sharing!r}: use 'temporal' or 'spatial'")
-        if self.allreduce and len(self.allreduce) != s:
-            raise ValueError(f"Pipeline.allreduce has {len(self.allreduce)} entries for {s} stages")
+        routes = tuple(tuple(Route(link.latency, link.bandwidth, (f"s{e}", f"s{e + 1}") if link.shared
+                                   else None, 1, link.per_transfer_cap) for _ in range(D))
+                       for e, link in enumerate(self.links))
+        return Job(tuple((t,) * D for t in self.t_f), tuple((t,) * D for t in self.t_b), routes,
+                   self.act_bytes, self.micro_batches, self.schedule, self.sharing,
+                   tuple(Collective(a) for a in self.allreduce), blocking_sends=False)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Transfer:
-    """One micro-batch's activation (``fwd``) or gradient (``bwd``) crossing boundary ``edge``."""
+    """One micro-batch's activation (``fwd``) or gradient crossing boundary ``edge`` for replica d."""
 
     edge: int
     fwd: bool
     m: int
     d: int
     released: float
-    remaining: float
+    started: float
+    done: float
     latency: float
-    started: float | None = None
-    done: float | None = None
+    wan: bool
 
     @property
-    def arrives(self) -> float | None:
-        return None if self.done is None else self.done + self.latency
+    def arrives(self) -> float:
+        return self.done + self.latency
 
 
 @dataclass
 class Result:
     iteration: float
-    busy: list[float]                              # compute seconds per stage (one replica)
+    busy: list[float]                    # compute seconds per row (stage-major, then replica)
     transfers: list[Transfer] = field(default_factory=list)
+    ops: list[Op] = field(default_factory=list)
+    wan_bytes: float = 0.0               # bytes over all WAN directions (p2p and collectives)
 
     @property
     def utilisation(self) -> float:
-        """Mean fraction of the iteration the GPUs compute."""
+        """Mean fraction of the iteration the GPUs compute (forward and backward)."""
         return sum(self.busy) / (len(self.busy) * self.iteration)
 
 
@@ -113,125 +201,164 @@ def schedule_ops(schedule: str, stage: int, stages: int, micro_batches: int) -> 
     return ops
 
 
-def simulate(p: Pipeline) -> Result:
-    """Run one iteration; returns its length, per-stage busy time and every boundary transfer."""
-    S, D, M = len(p.t_f), p.replicas, p.micro_batches
-    ops = [schedule_ops(p.schedule, s, S, M) for s in range(S)]
-    nxt = [[0] * D for _ in range(S)]             # index of each (stage, replica)'s next op
-    busy_until = [[0.0] * D for _ in range(S)]
-    ready: dict[tuple, float] = {}               # (fwd, stage, m, d) -> when that input is there
-    computing: list[tuple] = []                  # heap of (end, stage, replica, kind, m)
-    arrivals: list[float] = []                   # heap of future arrival times
-    shared = {(e, f): _SharedLink(p, p.links[e]) for e in range(S - 1) for f in (True, False)
-              if p.links[e].shared}
-    transfers: list[Transfer] = []
-    last_b = [[0.0] * D for _ in range(S)]
-    t = 0.0
+def simulate(p: Job | Pipeline) -> Result:
+    """Run one iteration: its length, every op and transfer, per-row busy time, WAN bytes."""
+    return _Run(p.job() if isinstance(p, Pipeline) else p).run()
 
-    def deliver(tr: Transfer) -> None:
-        ready[(tr.fwd, tr.edge + 1 if tr.fwd else tr.edge, tr.m, tr.d)] = tr.arrives
-        heapq.heappush(arrivals, tr.arrives)
 
-    def release(edge: int, fwd: bool, m: int, d: int) -> None:
-        link = p.links[edge]
-        tr = Transfer(edge, fwd, m, d, t, p.act_bytes, link.latency)
-        transfers.append(tr)
-        if link.shared:
-            shared[(edge, fwd)].add(tr)
-        else:
-            tr.started, tr.done = t, t + p.act_bytes / min(link.bandwidth, link.per_transfer_cap)
-            tr.remaining = 0.0
-            deliver(tr)
+class _Run:
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        S, D = job.stages, job.replicas
+        self.ops = [schedule_ops(job.schedule, s, S, job.micro_batches) for s in range(S)]
+        self.nxt = [[0] * D for _ in range(S)]
+        self.running = [[False] * D for _ in range(S)]
+        self.arrived: set[tuple] = set()          # (fwd, stage, m, d) inputs that are there
+        self.heap: list[tuple] = []
+        self.seq = count()
+        self.links: dict[tuple[str, str], WanDirection] = {}
+        # token ring position of each replica that crosses boundary e on the WAN (temporal sharing)
+        self.crossing = [[d for d in range(D) if job.routes[e][d].wan] for e in range(S - 1)]
+        self.pos = [{d: i for i, d in enumerate(c)} for c in self.crossing]
+        self.left = [D] * S                       # replicas of a stage with ops still to run
+        self.coll: dict[int, list] = {}           # stage -> [start, end so far, flows outstanding]
+        self.timeline: list[Op] = []
+        self.transfers: list[Transfer] = []
+        self.end = 0.0
 
-    while True:
-        # 1. Start every op whose stage is idle and whose input has arrived.
+    def run(self) -> Result:
+        job, S, D = self.job, self.job.stages, self.job.replicas
         for s in range(S):
             for d in range(D):
-                i = nxt[s][d]
-                if i >= len(ops[s]) or busy_until[s][d] > t + _EPS:
-                    continue
-                kind, m = ops[s][i]
-                if (kind == "F" and s > 0) or (kind == "B" and s < S - 1):
-                    when = ready.get((kind == "F", s, m, d))
-                    if when is None or when > t + _EPS:
-                        continue
-                end = t + (p.t_f[s] if kind == "F" else p.t_b[s])
-                busy_until[s][d] = end
-                nxt[s][d] = i + 1
-                heapq.heappush(computing, (end, s, d, kind, m))
-        # 2. The next event: an op ending, an arrival, or a shared transfer finishing or released.
-        while arrivals and arrivals[0] <= t + _EPS:
-            heapq.heappop(arrivals)
-        cands = [computing[0][0]] if computing else []
-        if arrivals:
-            cands.append(arrivals[0])
-        cands += [e for link in shared.values() if (e := link.next_event(t)) is not None]
-        if not cands:
-            break
-        t_next = min(cands)
-        for link in shared.values():
-            for tr in link.advance(t, t_next):
-                deliver(tr)
-        t = t_next
-        # 3. Ops ending now release their sends.
-        while computing and computing[0][0] <= t + _EPS:
-            _, s, d, kind, m = heapq.heappop(computing)
-            if kind == "F" and s < S - 1:
-                release(s, True, m, d)
-            elif kind == "B":
-                last_b[s][d] = t
-                if s > 0:
-                    release(s - 1, False, m, d)
-    if any(nxt[s][d] < len(ops[s]) for s in range(S) for d in range(D)):
-        raise RuntimeError("simulate: the schedule deadlocked (an input never arrived)")
-    allreduce = list(p.allreduce) or [0.0] * S
-    end = max(last_b[s][d] + allreduce[s] for s in range(S) for d in range(D))
-    busy = [M * (p.t_f[s] + p.t_b[s]) for s in range(S)]
-    return Result(end, busy, transfers)
+                self._try_start(s, d, 0.0)
+        t = 0.0
+        while True:
+            t_next = self.heap[0][0] if self.heap else INF
+            for link in self.links.values():
+                e = link.next_event()
+                if e is not None and e < t_next:
+                    t_next = e
+            if t_next == INF:
+                break
+            for link in list(self.links.values()):
+                for f in link.advance(t_next):
+                    self._flow_done(f)
+            t = t_next
+            touched = set()
+            while self.heap and self.heap[0][0] <= t + _EPS:
+                _, _, kind, pay = heapq.heappop(self.heap)
+                if kind == "end":
+                    touched.add(self._op_end(*pay, t))
+                elif kind == "arrive":
+                    self.arrived.add(pay)
+                    touched.add((pay[1], pay[3]))
+                elif kind == "sent":
+                    self._row_free(*pay, t)
+                    touched.add(pay)
+                else:
+                    self._collective_end(pay, t)
+            for s, d in sorted(touched):
+                self._try_start(s, d, t)
+        if any(self.nxt[s][d] < len(self.ops[s]) for s in range(S) for d in range(D)):
+            raise RuntimeError("simulate: the schedule deadlocked (an input never arrived)")
+        M = job.micro_batches
+        busy = [M * (job.t_f[s][d] + job.t_b[s][d]) for s in range(S) for d in range(D)]
+        wan = sum(link.carried for link in self.links.values())
+        return Result(self.end, busy, self.transfers, self.timeline, wan)
 
+    def _push(self, time: float, kind: str, pay) -> None:
+        heapq.heappush(self.heap, (time, next(self.seq), kind, pay))
 
-class _SharedLink:
-    """One direction of a WAN boundary: the replicas' transfers share its bandwidth."""
+    def _try_start(self, s: int, d: int, t: float) -> None:
+        i = self.nxt[s][d]
+        if self.running[s][d] or i >= len(self.ops[s]):
+            return
+        kind, m = self.ops[s][i]
+        fwd = kind == "F"
+        if ((fwd and s > 0) or (not fwd and s < self.job.stages - 1)) and (fwd, s, m, d) not in self.arrived:
+            return
+        self.running[s][d] = True
+        self.nxt[s][d] = i + 1
+        dur = (self.job.t_f if fwd else self.job.t_b)[s][d]
+        self._push(t + dur, "end", (s, d, fwd, m, t))
 
-    def __init__(self, p: Pipeline, link: Link) -> None:
-        self.temporal = p.sharing == "temporal"
-        self.replicas = p.replicas
-        self.link = link
-        self.bytes = p.act_bytes
-        self.waiting: dict[int, Transfer] = {}   # token number (m·D + d) -> transfer
-        self.token = 0                           # the next token to serve (temporal)
+    def _op_end(self, s: int, d: int, fwd: bool, m: int, start: float, t: float) -> tuple[int, int]:
+        """Compute of F/B(s, m) on replica d ended at t: post its send; the row is free now, or when
+        the send completes (blocking sends)."""
+        self.timeline.append(Op(s, d, "forward" if fwd else "backward", start, t, m))
+        sends = (fwd and s < self.job.stages - 1) or (not fwd and s > 0)
+        if sends:
+            self._release(s if fwd else s - 1, fwd, m, d, t)
+        if not (sends and self.job.blocking_sends):
+            self._row_free(s, d, t)
+        return s, d
 
-    def add(self, tr: Transfer) -> None:
-        self.waiting[tr.m * self.replicas + tr.d] = tr
+    def _row_free(self, s: int, d: int, t: float) -> None:
+        self.running[s][d] = False
+        self.end = max(self.end, t)
+        if self.nxt[s][d] == len(self.ops[s]):
+            self.left[s] -= 1
+            if self.left[s] == 0:
+                self._collective_start(s, t)
 
-    def _active(self, t: float) -> list[Transfer]:
-        if self.temporal:
-            head = self.waiting.get(self.token)
-            return [head] if head is not None and head.released <= t + _EPS else []
-        return [tr for tr in self.waiting.values() if tr.released <= t + _EPS]
+    def _link(self, src: str, dst: str, bandwidth: float, stream_cap: float, t: float) -> WanDirection:
+        link = self.links.get((src, dst))
+        if link is None:
+            link = self.links[(src, dst)] = WanDirection(bandwidth, stream_cap)
+            link.t = t
+        elif (link.bandwidth, link.stream_cap) != (bandwidth, stream_cap):
+            raise ValueError(f"simulate: WAN {src}->{dst} given (bandwidth, stream_cap) "
+                             f"{(link.bandwidth, link.stream_cap)} and {(bandwidth, stream_cap)}: one path, "
+                             "one bandwidth and one window")
+        return link
 
-    def _rate(self, n: int) -> float:
-        return min(self.link.per_transfer_cap, self.link.bandwidth / n)
+    def _release(self, e: int, fwd: bool, m: int, d: int, t: float) -> None:
+        r, nbytes = self.job.routes[e][d], self.job.act_bytes
+        if r.wan is None:
+            done = t + nbytes / min(r.bandwidth, r.streams * r.stream_cap)
+            self.transfers.append(Transfer(e, fwd, m, d, t, t, done, r.latency, False))
+            self._push(done + r.latency, "arrive", (fwd, e + 1 if fwd else e, m, d))
+            if self.job.blocking_sends:
+                self._push(done, "sent", (e if fwd else e + 1, d))
+            return
+        src, dst = r.wan if fwd else r.wan[::-1]
+        flow = Flow(("p2p", e, fwd, m, d), t, nbytes, r.streams, r.latency)
+        link = self._link(src, dst, r.bandwidth, r.stream_cap, t)
+        if self.job.sharing == "temporal":
+            link.add(flow, t, ring=(e, fwd), token=m * len(self.crossing[e]) + self.pos[e][d])
+        else:
+            link.add(flow, t)
 
-    def next_event(self, t: float) -> float | None:
-        act = self._active(t)
-        if not act:
-            return None
-        return t + min(tr.remaining for tr in act) / self._rate(len(act))
+    def _flow_done(self, f: Flow) -> None:
+        if f.key[0] == "coll":
+            state = self.coll[f.key[1]]
+            state[1] = max(state[1], f.arrives)
+            state[2] -= 1
+            if state[2] == 0:
+                self._push(state[1], "coll", f.key[1])
+            return
+        _, e, fwd, m, d = f.key
+        self.transfers.append(Transfer(e, fwd, m, d, f.released, f.started, f.done, f.latency, True))
+        src, dst = (e, e + 1) if fwd else (e + 1, e)
+        self.timeline.append(Op(src, d, "send", f.started, f.done, m))
+        self.timeline.append(Op(dst, d, "recv", f.started + f.latency, f.arrives, m))
+        self._push(f.arrives, "arrive", (fwd, dst, m, d))
+        if self.job.blocking_sends:
+            self._push(f.done, "sent", (src, d))
 
-    def advance(self, t: float, t_next: float) -> list[Transfer]:
-        """Move bytes during [t, t_next]; return the transfers that finished at t_next."""
-        act = self._active(t)
-        finished = []
-        if act:
-            rate = self._rate(len(act))
-            for tr in act:
-                if tr.started is None:
-                    tr.started = t
-                tr.remaining -= rate * (t_next - t)
-                if tr.remaining <= 1e-9 * self.bytes:
-                    tr.remaining, tr.done = 0.0, t_next
-                    finished.append(tr)
-                    del self.waiting[tr.m * self.replicas + tr.d]
-                    self.token += 1
-        return finished
+    def _collective_start(self, s: int, t: float) -> None:
+        c = self.job.collectives[s] if self.job.collectives else Collective()
+        if c.seconds <= 0 and not c.flows:
+            return
+        self.coll[s] = [t, t + c.seconds, len(c.flows)]
+        if not c.flows:
+            self._push(t + c.seconds, "coll", s)
+        for i, w in enumerate(c.flows):
+            self._link(w.src, w.dst, w.bandwidth, w.stream_cap, t).add(
+                Flow(("coll", s, i), t, w.nbytes, w.streams, w.latency), t)
+
+    def _collective_end(self, s: int, t: float) -> None:
+        start = self.coll[s][0]
+        for d in range(self.job.replicas):
+            self.timeline.append(Op(s, d, "allreduce", start, t))
+        self.end = max(self.end, t)

@@ -39,6 +39,11 @@ MAX_SOCKS_PER_THREAD = 8     # AWS's default split is 2 threads x 8 sockets; mor
 # project's machines (traps.md), 0.5 is the classic value.
 WINDOW_FRACTION = 0.5
 
+# The window the planner assumes for one WAN connection when the topology gives no ``window_mb``:
+# Linux's default autotuning maxima (tcp_wmem 4 MiB, tcp_rmem 6 MiB; ip-sysctl.rst) x the fraction
+# above. A constant, so a plan never depends on the machine it is computed on.
+DEFAULT_WINDOW = WINDOW_FRACTION * 4 * 2**20
+
 
 def nccl_split(connections: int) -> tuple[int, int]:
     """``(NCCL_SOCKET_NTHREADS, NCCL_NSOCKS_PERTHREAD)`` whose product is ``connections``.

@@ -29,7 +29,9 @@ fields are documented on :class:`launch.plan.ModelSpec`. ``addr`` (the host's
 address on the network the ranks use) lets the launcher pick ``--master_addr`` without ssh;
 ``ifname`` is the interface gloo and NCCL bind to in that data center. A WAN entry's optional
 ``window_mb`` is the effective TCP window of one connection on that path (the planner's per-connection
-rate limit, window/RTT); without it the planner derives it from this host's TCP buffer sysctls.
+rate limit, window/RTT); without it the planner assumes Linux's default buffers
+(``launch.sockets.DEFAULT_WINDOW``), never the sysctls of the machine it runs on. ``gpu_tflops`` is
+what one GPU of that DC sustains on the model: the planner splits layers in proportion to it.
 """
 
 from __future__ import annotations

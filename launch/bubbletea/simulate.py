@@ -1,6 +1,6 @@
 """BubbleTea in the what-if simulator: how much of a planned iteration prefill can fill.
 
-The training iteration comes from :func:`launch.simulate.simulate` (through the adapter
+The training iteration comes from :func:`launch.simulate.simulate` (its ops, through
 :func:`launch.bubbletea.timeline.from_simulation`); its idle windows are packed with the chunked
 prefill of a backlog of prompts (:func:`launch.bubbletea.packer.pack`), and the utilisation is
 ``(training busy + prefill busy) / (GPUs × iteration)`` (atlas.md §1.8 step 7).
@@ -68,14 +68,15 @@ class BubbleTeaEstimate:
 
 def simulate_bubbletea(pipe, result, stage_flops: list[float], spec: InferenceSpec | None = None,
                        gpus_per_lane: int = 1) -> BubbleTeaEstimate:
-    """Fill one simulated iteration's bubbles. ``stage_flops[s]``: a GPU's FLOP/s at stage s;
+    """Fill one simulated iteration's bubbles (``pipe``: the :class:`launch.simulate.Job` or
+    ``Pipeline`` simulated, ``result`` its result). ``stage_flops[s]``: a GPU's FLOP/s at stage s;
     ``gpus_per_lane``: the tp GPUs behind each (stage, replica) lane (each runs its own model copy,
     so the lane's prefill throughput is that many times one GPU's)."""
     spec = spec or InferenceSpec()
     S, D = len(pipe.t_f), pipe.replicas
     if len(stage_flops) != S:
         raise ValueError(f"stage_flops has {len(stage_flops)} entries for {S} stages")
-    ops = from_simulation(pipe, result)
+    ops = from_simulation(result)
     every = [(s, d) for s in range(S) for d in range(D)]
     fastest = max(stage_flops)
     smallest = spec.chunk_seconds(Chunk(0, 0, min(spec.chunk_tokens, spec.prompt_tokens), spec.prompt_tokens),
@@ -116,20 +117,22 @@ def _pack_heterogeneous(windows, backlog, spec: InferenceSpec, stage_flops: list
 def for_plan(topo, model, plan, window: float | None = None,
              spec: InferenceSpec | None = None) -> BubbleTeaEstimate:
     """BubbleTea on an ATLAS plan (:func:`launch.plan.make_plan`): its layout simulated once more, its
-    bubbles filled. ``window`` is the per-connection TCP window the plan was made with (default: this
-    host's, as ``make_plan``)."""
-    from launch.estimate import layout_pipeline
+    bubbles filled. ``window`` is the per-connection TCP window the plan was made with (default:
+    ``launch.sockets.DEFAULT_WINDOW``, as ``make_plan``)."""
+    from launch.estimate import build, memory
+    from launch.plan import layout_of
     from launch.simulate import simulate
-    from launch.sockets import host_window
+    from launch.sockets import DEFAULT_WINDOW
 
-    window = host_window() if window is None else window
+    window = DEFAULT_WINDOW if window is None else window
     spec = spec or InferenceSpec()
-    pipe, memory = layout_pipeline(topo, model, list(plan.stage_dc), plan.tp, plan.dp, plan.connections,
-                                   plan.sharing, window)
+    lay = layout_of(plan)
+    job = build(topo, model, lay, window)
     flops = [topo.dc(d).gpu_flops for d in plan.stage_dc]
-    est = simulate_bubbletea(pipe, simulate(pipe), flops, spec, gpus_per_lane=plan.tp)
+    est = simulate_bubbletea(job, simulate(job), flops, spec, gpus_per_lane=plan.tp)
     capacity = min(topo.dc(d).gpu_memory for d in plan.stage_dc)
-    est.memory_fits = memory + spec.weight_bytes + spec.kv_bytes(spec.prompt_tokens) <= capacity
+    need = memory(topo, model, lay) + spec.weight_bytes + spec.kv_bytes(spec.prompt_tokens)
+    est.memory_fits = need <= capacity
     return est
 
 

@@ -1,6 +1,6 @@
 """Bubble extraction: one iteration's training ops per GPU -> the idle windows between them.
 
-The input is plain data, so any source can feed it: :func:`from_simulation` replays
+The input is plain data, so any source can feed it: :func:`from_simulation` reads
 :mod:`launch.simulate`'s iteration, :class:`launch.bubbletea.engine.BubbleTeaPipelineEngine` records
 a real DeepSpeed run. An :class:`Op` is ``(lane, kind, start, end)`` in seconds from the start of the
 iteration; a *lane* is one GPU (one rank): ``(stage, replica)`` in simulation, the global rank in a
@@ -101,35 +101,10 @@ def utilisation(ops: Iterable, iteration: float, extra: Iterable = (), n_lanes: 
     return sum(busy_time(v) for v in per_lane.values()) / (n * iteration)
 
 
-def from_simulation(pipe, result) -> list[Op]:
-    """The op timeline of one simulated iteration (:func:`launch.simulate.simulate`), per (stage, replica).
-
-    The simulator reports its transfers, not its ops, so the ops are replayed: each (stage, replica)
-    runs :func:`launch.simulate.schedule_ops` in order, an op starting when the previous one ended and
-    its input arrived (the transfer's arrival time; stage 0's forward and the last stage's backward
-    need none) — the simulator's own start rule. The DP all-reduce follows each lane's last backward.
-    The replay ends where the simulator's iteration ends (checked).
-    """
-    from launch.simulate import schedule_ops
-
-    S, D, M = len(pipe.t_f), pipe.replicas, pipe.micro_batches
-    arrives = {}
-    for tr in result.transfers:
-        stage = tr.edge + 1 if tr.fwd else tr.edge
-        arrives[(tr.fwd, stage, tr.m, tr.d)] = tr.arrives
-    allreduce = list(pipe.allreduce) or [0.0] * S
-    ops, end = [], 0.0
-    for s in range(S):
-        for d in range(D):
-            t = 0.0
-            for kind, m in schedule_ops(pipe.schedule, s, S, M):
-                needs = (kind == "F" and s > 0) or (kind == "B" and s < S - 1)
-                start = max(t, arrives[(kind == "F", s, m, d)]) if needs else t
-                t = start + (pipe.t_f[s] if kind == "F" else pipe.t_b[s])
-                ops.append(Op((s, d), kind, start, t))
-            if allreduce[s] > 0:
-                ops.append(Op((s, d), "allreduce", t, t + allreduce[s]))
-            end = max(end, t + allreduce[s])
-    if abs(end - result.iteration) > 1e-6 * max(1.0, result.iteration):
-        raise RuntimeError(f"from_simulation: the replay ends at {end}, the simulator at {result.iteration}")
-    return ops
+def from_simulation(result) -> list[Op]:
+    """The training ops of one simulated iteration (:func:`launch.simulate.simulate` reports every op,
+    :class:`launch.timeline.Op`), per (stage, replica) lane: forward and backward as ``F``/``B``, the DP
+    all-reduce; WAN sends and receives are not GPU work and stay out."""
+    kinds = {"forward": "F", "backward": "B", "allreduce": "allreduce"}
+    return [Op((op.stage, op.replica), kinds[op.kind], op.start, op.end) for op in result.ops
+            if op.kind in kinds]

@@ -39,3 +39,17 @@ def test_main_job_trains_with_parm():
     assert len(evals) == 1 and evals[0] < 0.5 * losses[0], (evals, losses)  # step 4, on held-out tokens
     ran = re.search(r"parm schedule 'auto': MoE layers ran \[(.*)\]", out.stdout)
     assert ran and ran.group(1) in ("'s1'", "'s2'"), log[-2000:]   # swapped in, and auto chose S1 or S2
+
+
+def test_gpu_command_config_loads():
+    """The GPU command of examples/train_moe.py's docstring names configs/parm_gpu.json: DeepSpeed and Parm
+    parse it (it runs on GPUs only: bf16 and FusedAdam)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from ds_plugins import ParmConfig
+
+    doc = (ROOT / "examples" / "train_moe.py").read_text()
+    assert "--deepspeed_config configs/parm_gpu.json" in doc
+    config = DeepSpeedConfig(str(ROOT / "configs" / "parm_gpu.json"))
+    assert config.bfloat16_config.enabled and config.zero_optimization_stage == 1
+    assert ParmConfig.from_deepspeed(str(ROOT / "configs" / "parm_gpu.json")).enabled

@@ -7,7 +7,8 @@ from launch.plan import make_plan
 
 def two_dc_plan(pp: int = 2, tp: int = 1, dp: int = 2, connections: int = 4, sharing: str = "temporal",
                 layers: int = 4):
-    """pp stages over data centers "a" (first half of the stages) and "b", one host each."""
+    """pp stages over data centers "a" (room for the first ceil(pp/2) stages) and "b", one host each;
+    the planner picks the order of the two along the pipeline."""
     first = (pp + 1) // 2
     raw = {"datacenters": {"a": {"hosts": [{"name": "a0", "slots": first * tp * dp}], "ifname": "lo"},
                            "b": {"hosts": [{"name": "b0", "slots": (pp - first) * tp * dp}],

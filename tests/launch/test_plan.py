@@ -2,15 +2,16 @@
 orders, the search, and its errors."""
 
 import copy
+import math
 from itertools import product
 
 import pytest
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from megatron.core.parallel_state import RankGenerator
 
-from launch import topology
+from launch import sockets, topology
 from launch.estimate import ModelSpec
-from launch.plan import Plan, assign_hosts, main, make_plan, place, render
+from launch.plan import Plan, assign_hosts, fill_connections, main, make_plan, place, render
 
 TWO_DC = {
     "datacenters": {
@@ -154,3 +155,62 @@ def test_render_lists_stages_wan_and_hostfile():
         assert f"\n  {s:<5}  {plan.stage_dc[s]:<12}" in text
     assert "WAN      stage" in text and "8 TCP connections per pair" in text
     assert text.endswith("\n".join(f"    {line}" for line in plan.hostfile().splitlines()))
+
+
+def test_connections_fill_the_link_within_nccls_limit():
+    t = _topo(bandwidth_gbps=10, rtt_ms=40, window_mb=2)       # B·RTT = 50 MB, 2 MiB per connection
+    assert fill_connections(t, ("big", "small"), tp=1, window=2**30) == math.ceil(50e6 / 2**21)
+    assert fill_connections(t, ("big", "small"), tp=4, window=2**30) == math.ceil(50e6 / 4 / 2**21)
+    assert fill_connections(t, ("big", "big"), tp=1, window=2**30) == 1          # nothing crosses
+    assert fill_connections(_topo(bandwidth_gbps=400, window_mb=1), ("big", "small"), 1, 2**30) == 64
+
+
+def test_the_planner_chooses_connections_and_sharing():
+    plan = make_plan(_topo(bandwidth_gbps=10, rtt_ms=40), MODEL, window=WINDOW)
+    assert plan.wan_boundaries()
+    assert plan.connections == fill_connections(_topo(bandwidth_gbps=10, rtt_ms=40), plan.stage_dc,
+                                                plan.tp, WINDOW)
+    other = dict(plan.what_if)[f"{'spatial' if plan.sharing == 'temporal' else 'temporal'} sharing"]
+    assert plan.estimate.iteration <= other
+
+
+def test_spatial_is_chosen_where_one_transfer_cannot_fill_the_link():
+    """One connection fixed on a 100 Gb/s x 40 ms link: a lone transfer gets 1/238 of it, so taking
+    turns (temporal) wastes the link and the planner keeps spatial sharing."""
+    m = ModelSpec(layers=16, hidden=4096, seq=2048, global_batch=64, pp=3, tp=1, dp=4)
+    plan = make_plan(_topo(bandwidth_gbps=100, rtt_ms=40, window_mb=2), m, connections=1)
+    assert plan.wan_boundaries() and plan.sharing == "spatial"
+    assert dict(plan.what_if)["temporal sharing"] > plan.estimate.iteration
+
+
+def test_layers_follow_gpu_speed():
+    raw = {"datacenters": {"slow": {"hosts": [{"name": "s0", "slots": 1}], "gpu_tflops": 100},
+                           "fast": {"hosts": [{"name": "f0", "slots": 1}], "gpu_tflops": 300}},
+           "wan": [{"between": ["slow", "fast"], "rtt_ms": 1, "bandwidth_gbps": 100}]}
+    m = ModelSpec(layers=8, hidden=1024, seq=512, global_batch=8, pp=2, tp=1, dp=1)
+    plan = make_plan(topology.parse(raw), m, window=WINDOW)
+    layers = dict(zip(plan.stage_dc, plan.stage_layers, strict=True))
+    assert layers == {"slow": 2, "fast": 6}
+
+
+def test_with_three_dcs_the_stage_order_avoids_the_slow_link():
+    """One stage per DC; a-b and b-c are fast, a-c is slow: the pipeline runs a, b, c (or back)."""
+    raw = {"datacenters": {d: {"hosts": [{"name": f"{d}0", "slots": 1}]} for d in "abc"},
+           "wan": [{"between": ["a", "b"], "rtt_ms": 5, "bandwidth_gbps": 100},
+                   {"between": ["b", "c"], "rtt_ms": 5, "bandwidth_gbps": 100},
+                   {"between": ["a", "c"], "rtt_ms": 80, "bandwidth_gbps": 1}]}
+    m = ModelSpec(layers=6, hidden=2048, seq=1024, global_batch=16, pp=3, tp=1, dp=1)
+    plan = make_plan(topology.parse(raw), m, window=WINDOW)
+    assert plan.stage_dc in (("a", "b", "c"), ("c", "b", "a"))
+
+
+def test_the_plan_does_not_read_this_machines_sysctls(monkeypatch):
+    before = make_plan(_topo(), MODEL)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the planner read a sysctl")
+
+    monkeypatch.setattr(sockets, "read_sysctl", refuse)
+    monkeypatch.setattr(sockets, "host_window", refuse)
+    assert make_plan(_topo(), MODEL) == before
+    assert make_plan(_topo(), MODEL, window=sockets.DEFAULT_WINDOW) == before

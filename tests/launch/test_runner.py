@@ -42,6 +42,21 @@ def test_arguments_pass_through(tmp_path):
     assert launch.plan.hostfile() == "a0 slots=1\nb0 slots=1\n"
 
 
+def test_the_launch_uses_the_planners_choices(tmp_path):
+    """Without --wan-connections / --atlas-sharing the job runs with what the planner chose."""
+    from launch.plan import load_model, make_plan
+    from launch.topology import load
+
+    topo = _topology(tmp_path)
+    launch = prepare(["--atlas-topology", topo, SCRIPT])
+    t = load(topo)
+    want = make_plan(t, load_model(t, None))
+    assert launch.plan == want
+    assert launch.env["ATLAS_WAN_CONNS"] == str(want.connections)
+    assert launch.env["ATLAS_SHARING"] == want.sharing
+    assert launch.env["NCCL_NSOCKS_PERTHREAD"] == str(min(want.connections, 8))
+
+
 def test_no_ssh_finds_this_node(tmp_path):
     topo = _topology(tmp_path)
     by_index = prepare(["--atlas-topology", topo, "--no_ssh", "--node_rank", "1", SCRIPT])

@@ -69,7 +69,7 @@ def _random_case(rng: random.Random):
                      schedule=rng.choice(["1f1b", "gpipe"]),
                      allreduce=[rng.uniform(0, 0.5) for _ in range(S)])
         r = simulate(p)
-        return from_simulation(p, r), r.iteration
+        return from_simulation(r), r.iteration
     ops, lanes = [], rng.randint(1, 4)   # arbitrary ops, some back to back, some overlapping
     for lane in range(lanes):
         t = rng.uniform(0, 1)

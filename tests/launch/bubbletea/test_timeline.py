@@ -34,7 +34,7 @@ def test_1f1b_bubbles_without_communication():
     free = Link(0.0, float("inf"))
     p = Pipeline([1.0] * S, [2.0] * S, [free] * (S - 1), act_bytes=1.0, micro_batches=M)
     r = simulate(p)
-    windows = extract_windows(from_simulation(p, r), r.iteration)
+    windows = extract_windows(from_simulation(r), r.iteration)
     for s in range(S):
         mine = [w for w in windows if w.lane == (s, 0)]
         assert sum(w.length for w in mine) == pytest.approx((S - 1) * 3.0)
@@ -53,15 +53,16 @@ def _random_pipeline(rng: random.Random) -> Pipeline:
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_replayed_simulation_is_the_simulators_iteration(seed):
-    """The adapter's ops: per lane in schedule order, never overlapping, ending where the simulator's
-    iteration ends (checked inside), with the simulator's compute utilisation."""
+def test_the_simulations_ops_as_lanes(seed):
+    """The adapter's ops: per lane in schedule order, never overlapping, ending by the simulator's
+    iteration, with the simulator's compute utilisation."""
     p = _random_pipeline(random.Random(seed))
     r = simulate(p)
-    ops = from_simulation(p, r)
+    ops = from_simulation(r)
     train = [op for op in ops if op.kind in ("F", "B")]
     assert len(train) == 2 * len(p.t_f) * p.replicas * p.micro_batches
     assert utilisation(train, r.iteration) == pytest.approx(r.utilisation)
+    assert max(op.end for op in ops) == pytest.approx(r.iteration)
     for lane in {op.lane for op in ops}:
         mine = [op for op in ops if op.lane == lane]
         assert all(b.start >= a.end - 1e-9 for a, b in itertools.pairwise(mine))

@@ -1,0 +1,131 @@
+"""The main job's ``--atlas`` rows: the MoE model as a 2-stage pipeline across two emulated data centers,
+started by ``deepspeed-atlas`` (``python -m launch``) once with DeepSpeed's own pipeline sends and once
+with ATLAS's multi-TCP striping and temporal sharing.
+
+Two network namespaces are the two data centers' hosts (2 ranks each), joined by launch.wanemu's WAN:
+a user-space delay line for the round trip and a ``tbf`` rate limit; TCP buffers inside the namespaces
+are capped so that one connection is window-limited below the link rate, as on a real long fat link
+(benchmarks/wan.py measures the link itself). Each node runs under ``timeout``; everything made here
+is removed on exit (launch.netns.Lab). Needs root; without it :func:`pipeline_rows` says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from examples.gpt.train import Result
+
+ROOT = Path(__file__).resolve().parents[2]
+NODE_TIMEOUT = 900
+# The variables a launched rank inherits from the main job's own launcher; the nodes get their own.
+_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+             "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE", "GROUP_RANK", "ROLE_RANK", "GLOO_SOCKET_IFNAME",
+             "NCCL_SOCKET_IFNAME")
+
+
+@dataclass(frozen=True)
+class Wan:
+    rtt_ms: float = 40.0
+    rate_mbit: float = 400.0
+    window_kib: int = 256         # TCP buffer cap: one connection ~ 0.6 x window / RTT (~4 MB/s here)
+
+    def describe(self) -> str:
+        return f"2 DCs, RTT {self.rtt_ms:g} ms, {self.rate_mbit:g} Mbit/s, TCP buffers {self.window_kib} KiB"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _topology(link, slots: int, wan: Wan) -> dict:
+    def dc(host: str, addr: str, ifname: str) -> dict:
+        return {"hosts": [{"name": host, "slots": slots, "addr": addr}], "ifname": ifname}
+
+    return {"datacenters": {"west": dc("w0", link.addr_a, link.ifname_a),
+                            "east": dc("e0", link.addr_b, link.ifname_b)},
+            "wan": [{"between": ["west", "east"], "rtt_ms": wan.rtt_ms,
+                     "bandwidth_gbps": wan.rate_mbit / 1e3}],
+            "model": {"layers": 2, "hidden": 128, "seq": 256, "micro_batch": 2, "global_batch": 16,
+                      "pp": 2, "tp": 1, "dp": slots}}
+
+
+def _run(link, topo_path: Path, out: Path, connections: int, sharing: str, stock: bool,
+         job_args: list[str]) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    env.update(PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    port = str(_free_port())
+    procs = []
+    for ns, where in ((link.a, ["--atlas-host", "w0"]), (link.b, ["--node_rank", "1"])):
+        cmd = ["timeout", str(NODE_TIMEOUT), sys.executable, "-m", "launch",
+               "--atlas-topology", str(topo_path), "--wan-connections", str(connections),
+               "--atlas-sharing", sharing, "--no_ssh", *where, "--master_port", port,
+               str(ROOT / "examples" / "gpt" / "pipeline.py"), "--out", str(out), *job_args,
+               *(["--stock-p2p"] if stock else [])]
+        procs.append(link.lab.popen(ns, cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=NODE_TIMEOUT + 60)[0] for p in procs]
+    for p, log in zip(procs, logs, strict=True):
+        if p.returncode:
+            raise RuntimeError(f"a pipeline node exited {p.returncode}:\n{log[-5000:]}")
+    return [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
+
+
+def _result(name: str, ranks: list[dict]) -> Result:
+    """One table row: losses of the last stage (every rank reports them), the slowest rank's step time,
+    the mean over ranks of the bytes each sent per step."""
+    res = Result(name, losses=ranks[0]["losses"], tokens_per_step=ranks[0]["tokens_per_step"])
+    res.evals = [(len(res.losses), ranks[0]["held_out"])]
+    res.step_ms = [max(ms) for ms in zip(*(r["step_ms"] for r in ranks), strict=True)]
+    for r in ranks:
+        for key, sent in r["sent"].items():
+            res.sent_by_group[key] = res.sent_by_group.get(key, 0.0) + sent / len(ranks)
+            kind = key.split("@")[0]
+            res.sent[kind] = res.sent.get(kind, 0.0) + sent / len(ranks)
+    return res
+
+
+def pipeline_rows(deepspeed_config: str, connections: int = 8, wan: Wan = Wan(),
+                  job_args: tuple[str, ...] = ()) -> list[tuple[Result, str]] | str:
+    """The two pipeline rows (stock, ATLAS), or the reason they cannot run here."""
+    from launch import netns
+    from launch.wanemu import WanLink
+
+    ok, reason = netns.available()
+    if not ok:
+        return reason
+    args = ["--deepspeed_config", deepspeed_config, *job_args]
+    rows = []
+    with WanLink(rtt=wan.rtt_ms / 1e3, rate=wan.rate_mbit * 1e6 / 8) as link, \
+            tempfile.TemporaryDirectory(prefix="atlas-rows-") as tmp:
+        for ns in (link.a, link.b):
+            ns.sysctl("net.ipv4.tcp_rmem", f"4096 131072 {wan.window_kib * 1024}")
+            ns.sysctl("net.ipv4.tcp_wmem", f"4096 16384 {wan.window_kib * 1024}")
+            ns.sysctl("net.ipv4.tcp_slow_start_after_idle", "0")
+        topo = Path(tmp, "topology.json")
+        topo.write_text(json.dumps(_topology(link, 2, wan)))
+        for name, conns, sharing, stock, what in (
+                ("pipeline", 1, "spatial", True,
+                 f"DeepSpeed pipeline sends, 1 TCP connection ({wan.describe()})"),
+                ("pipeline+ATLAS", connections, "temporal", False,
+                 f"ATLAS: {connections} TCP connections, temporal sharing ({wan.describe()})")):
+            ranks = _run(link, topo, Path(tmp, name), conns, sharing, stock, args)
+            rows.append((_result(name, ranks), what))
+        lost = {k: v for k, v in link.drops().items() if v and not k.startswith("tcp_retrans")}
+    if lost:     # the emulator itself lost packets: the WAN was not what it claims to be
+        rows = [(res, f"{what}; WAN emulator drops {lost}") for res, what in rows]
+    return rows
+
+
+def same_losses(rows: list[tuple[Result, str]]) -> bool:
+    """ATLAS only moves the same bytes differently: both pipeline runs must give identical losses."""
+    (a, _), (b, _) = rows
+    return a.losses == b.losses and a.evals == b.evals

@@ -110,8 +110,9 @@ class Handle:
         self._peers = list(peers) if peers is not None and len(peers) == len(self._works) else None
         self.what, self.where = what, where
 
-    def wait(self) -> bool:
-        seconds = timeout_s()
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Complete the operation; a ``timeout`` (as torch's ``Work.wait`` takes) only shortens the bound."""
+        seconds = timeout_s() if timeout is None else min(timeout_s(), timeout.total_seconds())
         for i, w in enumerate(self._works):
             try:
                 if isinstance(w, Handle):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import struct
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -61,9 +62,14 @@ class CommTimeout(CommError, TimeoutError):
     """A collective or transfer did not complete within :func:`timeout_s`."""
 
 
-def _positive_seconds(value, source: str) -> float:
+def check_seconds(value, source: str) -> float:
+    """``value`` as a timeout in seconds, or ValueError naming ``source``, the value and the rule.
+
+    Config keys and command-line arguments that carry a timeout (the ``"parm"`` section's ``timeout_s``,
+    ``--commweave-timeout-s``) validate with this, so that they refuse what ``COMMWEAVE_TIMEOUT_S`` refuses.
+    """
     try:
-        seconds = float(value)
+        seconds = float("nan") if isinstance(value, bool) else float(value)
     except (TypeError, ValueError):
         seconds = float("nan")
     if not seconds > 0 or seconds == float("inf"):
@@ -78,7 +84,7 @@ def set_timeout(seconds: float | None) -> None:
     Config keys that carry a timeout (the ``"parm"`` section, the launcher) call this once at set-up.
     """
     global _timeout_override
-    _timeout_override = None if seconds is None else _positive_seconds(seconds, "timeout")
+    _timeout_override = None if seconds is None else check_seconds(seconds, "timeout")
 
 
 def timeout_s() -> float:
@@ -86,25 +92,28 @@ def timeout_s() -> float:
     if _timeout_override is not None:
         return _timeout_override
     env = os.environ.get(_TIMEOUT_ENV)
-    return DEFAULT_TIMEOUT_S if env is None else _positive_seconds(env, _TIMEOUT_ENV)
+    return DEFAULT_TIMEOUT_S if env is None else check_seconds(env, _TIMEOUT_ENV)
 
 
 class Handle:
     """A pending operation; ``wait()`` completes it within :func:`timeout_s` or raises naming it.
 
     ``what`` names the operation ("all_to_all", "recv", ...), ``where`` the group and, for
-    point-to-point, the peer.
+    point-to-point, the peer; ``peers`` (optional, one per work) names the peer of each work of an
+    operation built from point-to-point messages, so that its error names the peer that failed.
     """
 
-    __slots__ = ("_finish", "_works", "what", "where")
+    __slots__ = ("_finish", "_peers", "_works", "what", "where")
 
-    def __init__(self, works, what: str, where: str, finish=None) -> None:
+    def __init__(self, works, what: str, where: str, finish=None, peers=None) -> None:
         self._works, self._finish = list(works), finish
+        self._peers = list(peers) if peers is not None and len(peers) == len(self._works) else None
         self.what, self.where = what, where
 
-    def wait(self) -> bool:
-        seconds = timeout_s()
-        for w in self._works:
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Complete the operation; a ``timeout`` (as torch's ``Work.wait`` takes) only shortens the bound."""
+        seconds = timeout_s() if timeout is None else min(timeout_s(), timeout.total_seconds())
+        for i, w in enumerate(self._works):
             try:
                 if isinstance(w, Handle):
                     w.wait()
@@ -117,7 +126,8 @@ class Handle:
                 kind = CommTimeout if timed_out else CommError
                 reason = (f"did not complete within {_TIMEOUT_ENV}={seconds:g} s: a peer is frozen, dead, "
                           "or not calling the same operation") if timed_out else f"failed: {e}"
-                raise kind(f"commweave: {self.what} on {self.where} {reason}") from e
+                where = self.where if self._peers is None else f"{self.where} ({self._peers[i]})"
+                raise kind(f"commweave: {self.what} on {where} {reason}") from e
         self._works = []
         if self._finish is not None:
             finish, self._finish = self._finish, None
@@ -268,22 +278,25 @@ def _pairwise(group) -> bool:
     return dist.get_backend(group) == "gloo" and size(group) > 1
 
 
-def _exchange(group, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> list:
-    ops = []
+def _exchange(group, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> tuple[list, list]:
+    """Post the pairwise messages; returns the works and, for each, its peer ("send to peer rank 3")."""
+    ops, peers = [], []
     for step in range(1, size(group)):  # step s: send to rank+s, receive from rank-s
         me = rank(group)
         to, frm = (me + step) % size(group), (me - step) % size(group)
         ops.append(dist.P2POp(_isend, sends[to], global_rank(group, to), group))
         ops.append(dist.P2POp(_irecv, recvs[frm], global_rank(group, frm), group))
-    return _batch_isend_irecv(ops)
+        peers += [f"send to peer rank {global_rank(group, to)}",
+                  f"recv from peer rank {global_rank(group, frm)}"]
+    return _batch_isend_irecv(ops), peers
 
 
 def _pairwise_all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> Handle:
     g, me = size(group), rank(group)
     blocks = out.view(g, -1)
     blocks[me].copy_(inp)
-    works = _exchange(group, dict.fromkeys(range(g), inp), {q: blocks[q] for q in range(g)})
-    return Handle(works, "all_gather", _where(group))
+    works, peers = _exchange(group, dict.fromkeys(range(g), inp), {q: blocks[q] for q in range(g)})
+    return Handle(works, "all_gather", _where(group), peers=peers)
 
 
 def _pairwise_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> Handle:
@@ -295,8 +308,8 @@ def _pairwise_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> Han
         received[me] = blocks[me]
         torch.sum(received, dim=0, out=out)  # the g partial sums, added in rank order
 
-    works = _exchange(group, {q: blocks[q] for q in range(g)}, {q: received[q] for q in range(g)})
-    return Handle(works, "reduce_scatter", _where(group), finish)
+    works, peers = _exchange(group, {q: blocks[q] for q in range(g)}, {q: received[q] for q in range(g)})
+    return Handle(works, "reduce_scatter", _where(group), finish, peers)
 
 
 def all_reduce(tensor: torch.Tensor, group, op: str = "sum", async_op: bool = False):
@@ -383,22 +396,71 @@ def wait_all(works) -> None:
             (w if isinstance(w, Handle) else Handle([w], "operation", "a foreign work handle")).wait()
 
 
+_MESSAGE_BYTES = 512
+
+
+def disagreement(group, what: str, error: str | None = None, *, relay: bool = False,
+                 **values: int) -> str | None:
+    """What every rank of ``group`` must raise, the same text on every rank: a rank's refusal of its input,
+    or ``values`` (integers, or floats compared bit for bit) that differ between ranks; None when all is
+    well. Collective, never raises.
+
+    ``error`` is this rank's own verdict on its arguments (None when they are fine). A rank that raised
+    on its own would leave the others waiting in their next collective, so a rank that refuses its input
+    passes the message here instead, and every rank gets "rank 2: <message>" (the first refusing rank; the
+    message alone when every rank refused alike, or with ``relay``: a message that an earlier round over
+    another group produced, passed on verbatim). Refusals come first, then the values are compared.
+    One all-gather of ``len(values) + 65`` int64 per rank (messages are cut at 512 bytes).
+    """
+    names = list(values)
+    floats = {n for n in names if isinstance(values[n], float)}   # sent as their bits, shown as numbers
+    ints = [struct.unpack("<q", struct.pack("<d", values[n]))[0] if n in floats else int(values[n])
+            for n in names]
+    text = (error or "").encode()[:_MESSAGE_BYTES]
+    words = torch.frombuffer(bytearray(text.ljust(_MESSAGE_BYTES, b"\0")), dtype=torch.int64)
+    mine = torch.cat([torch.tensor([*ints, len(text) if error else -1], dtype=torch.int64), words])
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    every = torch.empty(size(group), mine.numel(), dtype=torch.int64, device=device)
+    all_gather(every, mine.to(every.device), group)
+    every = every.cpu()
+    n = len(names)
+    messages = [None if int(row[n]) < 0 else
+                row[n + 1:].numpy().tobytes()[:int(row[n])].decode(errors="replace") for row in every]
+    refused = [r for r, m in enumerate(messages) if m is not None]
+    if refused:
+        first = messages[refused[0]]
+        if relay or (len(refused) == len(messages) and all(m == first for m in messages)):
+            return first
+        others = f" (and {len(refused) - 1} other rank(s))" if len(refused) > 1 else ""
+        return f"rank {global_rank(group, refused[0])}{others}: {first}"
+    bad = [name for i, name in enumerate(names) if (every[:, i] != every[0, i]).any()]
+    if not bad:
+        return None
+    def shown(r: int, i: int):
+        v = int(every[r, i])
+        return struct.unpack("<d", struct.pack("<q", v))[0] if names[i] in floats else v
+
+    table = "; ".join(f"{name}: " + ", ".join(f"rank {global_rank(group, r)}={shown(r, i)}"
+                                               for r in range(size(group)))
+                      for i, name in enumerate(names) if name in bad)
+    return f"{what}: the ranks of {_where(group)} must agree on {', '.join(bad)}, got {table}"
+
+
+def agree(group, what: str, error: str | None = None, **values: int) -> None:
+    """Raise :func:`disagreement`'s message as a ValueError on every rank of ``group``, if there is one."""
+    message = disagreement(group, what, error, **values)
+    if message is not None:
+        raise ValueError(message)
+
+
 def check_agree(group, what: str, **values: int) -> None:
     """Raise on every rank of ``group`` unless every rank passed the same integer ``values``.
 
     Sizes that a later collective depends on (shapes, team sizes, schedule ids) are checked here first,
     so a disagreement is a ``ValueError`` naming each value per rank instead of a hang or a mismatched
-    transfer. One all-gather of ``len(values)`` int64 per rank.
+    transfer (:func:`agree` without a refusal).
     """
-    names = list(values)
-    mine = torch.tensor([int(values[n]) for n in names], dtype=torch.int64)
-    every = torch.empty(size(group), len(names), dtype=torch.int64)
-    all_gather(every, mine, group)
-    bad = [n for i, n in enumerate(names) if (every[:, i] != every[0, i]).any()]
-    if bad:
-        table = "; ".join(f"{n}: " + ", ".join(f"rank {global_rank(group, r)}={int(every[r, names.index(n)])}"
-                                                for r in range(size(group))) for n in bad)
-        raise ValueError(f"{what}: the ranks of {_where(group)} must agree on {', '.join(bad)}, got {table}")
+    agree(group, what, None, **values)
 
 
 @contextmanager

@@ -19,6 +19,12 @@ before any collective whose sizes differ.
 Two rounds use it: :func:`tokens` (every schedule, before routing: S and the training flag) and
 :func:`capacity` (after routing, where the capacity depends on the routes: no-drop mode, and S1, whose
 capacity is the largest number of routes one block of tokens sends one expert).
+
+A rank whose input is refused (ds_plugins.inputs) says so in the training flag's slot (2 instead of 0 or
+1), so no extra value travels: when the MAX shows a refusal, every rank of the layer takes one more,
+error-only round that carries the refusing rank's message over MP, then EP (:func:`_relay`), and raises
+it. :func:`settings` agrees once, at set-up, on the layer's arguments (the schedule, the sizes) in the same
+two hops.
 """
 
 from __future__ import annotations
@@ -29,7 +35,11 @@ from dataclasses import dataclass
 import torch
 
 from commweave import comm
+from ds_plugins.config import SCHEDULES
 from ds_plugins.groups import ParmGroups
+from ds_plugins.inputs import NOISY_GATE_POLICIES
+
+_REFUSED = 2  # the training flag's slot: 0 eval, 1 training, 2 this rank refused its input
 
 
 @dataclass(frozen=True)
@@ -56,15 +66,31 @@ def spread(values: Sequence[int], g: ParmGroups, device: torch.device) -> Spread
     return Spread(lo=tuple(-x for x in u[n: 2 * n]), hi=tuple(u[:n]), mp=tuple(u[2 * n:]))
 
 
-def tokens(num_tokens: int, training: bool, drop_tokens: bool, g: ParmGroups, device: torch.device) -> int:
+def _relay(message: str | None, groups: Sequence, what: str = "parm MoE", **values: int) -> str | None:
+    """``comm.disagreement`` over the first group, its verdict passed on verbatim over the next (MP, then EP:
+    every rank of the layer ends with the same message, see the module docstring). Collective on each."""
+    first = True
+    for group in groups:
+        if group is not None and comm.size(group) > 1:
+            message = comm.disagreement(group, what, message, relay=not first, **values)
+            first = False
+    return message
+
+
+def tokens(num_tokens: int, training: bool, drop_tokens: bool, g: ParmGroups, device: torch.device,
+           error: str | None = None) -> int:
     """The token count every rank of the layer works with (the largest; in drop mode they are all equal).
 
-    Raises on every rank of the layer if the MP ranks hold different token counts (the MoE input is
-    replicated over tensor-parallel ranks), if some ranks are in training and others in eval mode (the
-    capacity factor differs), or, with ``drop_tokens``, if any two ranks hold different token counts
-    (each rank's capacity, which sizes every exchange, is computed from its own count).
+    Raises on every rank of the layer if a rank refused its input (``error``, this rank's reason, see
+    ds_plugins.inputs; every rank raises the first refusing rank's), if the MP ranks hold different token
+    counts (the MoE input is replicated over tensor-parallel ranks), if some ranks are in training and
+    others in eval mode (the capacity factor differs), or, with ``drop_tokens``, if any two ranks hold
+    different token counts (each rank's capacity, which sizes every exchange, is computed from its own
+    count).
     """
-    s = spread([num_tokens, int(training)], g, device)
+    s = spread([num_tokens, _REFUSED if error is not None else int(training)], g, device)
+    if s.hi[1] == _REFUSED:
+        raise ValueError(_relay(error, (g.mp, g.ep)) or error)
     if s.mp[0]:
         raise ValueError("parm MoE: the tensor-parallel (MP) ranks of this layer hold different token "
                          f"counts (between {s.lo[0]} and {s.hi[0]}): the input of an MoE layer must be "
@@ -92,3 +118,21 @@ def capacity(local: int, g: ParmGroups, device: torch.device) -> int:
                            "and seed their RNGs identically before the MoE layer (the gate draws random "
                            "numbers)")
     return s.hi[0]
+
+
+def settings(layer, mp_group, ep_group, error: str | None = None) -> None:
+    """At set-up: raise on every rank of the layer if one refused its arguments (``error``) or the ranks
+    built the layer differently (schedule, chunks, sizes, gating: a rank running S1 while its peers run S2
+    would hang or mix up their exchanges). Two ``comm.disagreement`` rounds, over MP then EP."""
+    gate = layer.gate
+    values = dict(schedule=SCHEDULES.index(layer.schedule), overlap_chunks=layer.overlap_chunks,
+                  skip_empty_slots=int(layer.skip_empty_slots), debug=int(layer.debug),
+                  hidden_size=gate.wg.in_features, num_experts=layer.num_experts, ep_size=layer.ep_size,
+                  k=gate.k, min_capacity=gate.min_capacity, capacity_factor=float(gate.capacity_factor),
+                  eval_capacity_factor=float(gate.eval_capacity_factor), drop_tokens=int(gate.drop_tokens),
+                  use_rts=int(gate.use_rts), use_residual=int(layer.use_residual),
+                  expert_tensor_parallel=int(layer.enable_expert_tensor_parallelism),
+                  noisy_gate_policy=NOISY_GATE_POLICIES.index(gate.noisy_gate_policy))
+    message = _relay(error, (mp_group, ep_group), "ParmMoE layer settings", **values)
+    if message is not None:
+        raise ValueError(message)

@@ -2,7 +2,8 @@
 
     {
       "train_micro_batch_size_per_gpu": 8,
-      "parm": {"enabled": true, "schedule": "auto", "overlap_chunks": 4, "skip_empty_slots": true}
+      "parm": {"enabled": true, "schedule": "auto", "overlap_chunks": 4, "skip_empty_slots": true,
+               "timeout_s": 120}
     }
 
 DeepSpeed keeps unknown top-level sections verbatim (parm.md §5.7), so the same file configures both.
@@ -16,6 +17,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
+
+from commweave import comm
 
 SCHEDULES = ("auto", "s1", "s2", "deepspeed")
 """auto: pick S1 or S2 per layer shape with the alpha-beta model (parm.md §2.9);
@@ -55,6 +58,9 @@ class ParmConfig:
     all-gather)."""
     cost_cache: str | None = None
     """JSON file the "auto" selector reads its fitted alpha-beta parameters from, or writes them to."""
+    timeout_s: float | None = None
+    """Bound in seconds on every wait of commweave's communication (``comm.set_timeout``): a dead or frozen
+    rank becomes an error naming the operation after this long. None: ``COMMWEAVE_TIMEOUT_S``, else 300."""
 
     def __post_init__(self) -> None:
         for name in ("enabled", "skip_empty_slots", "debug"):
@@ -64,6 +70,8 @@ class ParmConfig:
         check_overlap_chunks(self.overlap_chunks)
         if self.cost_cache is not None and (not isinstance(self.cost_cache, str) or not self.cost_cache):
             raise ValueError(f"parm cost_cache={self.cost_cache!r} must be a file path (string) or null")
+        if self.timeout_s is not None:
+            comm.check_seconds(self.timeout_s, "parm timeout_s")
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any]) -> ParmConfig:
@@ -81,8 +89,13 @@ class ParmConfig:
         if config is None:
             return cls()
         if isinstance(config, str | os.PathLike):
-            with open(config) as f:
-                config = json.load(f)
+            try:
+                with open(config) as f:
+                    config = json.load(f)
+            except OSError as e:
+                raise ValueError(f"DeepSpeed config file {str(config)!r} cannot be read: {e.strerror}") from e
+            except json.JSONDecodeError as e:
+                raise ValueError(f"DeepSpeed config file {str(config)!r} is not valid JSON: {e}") from e
         if not isinstance(config, Mapping):
             raise ValueError("DeepSpeed config must be a dict or a JSON file path, "
                              f"got {type(config).__name__}")

@@ -6,11 +6,14 @@
 reads the ``"parm"`` section of the DeepSpeed config (from ``config``, ``config_params`` or
 ``args.deepspeed_config``, as DeepSpeed does). When it is enabled, every ``deepspeed.moe.layer.MoE`` in the
 model is replaced by a ``ParmMoE`` holding the same modules and parameters (``setattr`` on its parent),
-after checking every layer on every rank: experts divisible by ep, tp x ep dividing the world, experts
-shardable when ESP > 1. Then ``deepspeed.initialize`` runs unchanged; it keeps the ``"parm"`` section
-verbatim (parm.md §5.7) and sets up the ParmMoE layers through ``set_deepspeed_parallelism``; last, the
-engine's optimizer is made to save and load the states of ESP-sharded experts in DeepSpeed's layout
-(ds_plugins.checkpoint).
+after checking every layer on every rank: its arguments (ds_plugins.inputs), experts divisible by ep,
+tp x ep dividing the world, experts shardable when ESP > 1. The verdict and the section's values are
+agreed over the world first (``comm.agree``), so a config or model that one rank alone gets wrong makes
+every rank raise the same ValueError instead of leaving the others in ``deepspeed.initialize``'s
+collectives. ``"timeout_s"`` sets ``comm.set_timeout``. Then ``deepspeed.initialize`` runs unchanged; it
+keeps the ``"parm"`` section verbatim (parm.md §5.7) and sets up the ParmMoE layers through
+``set_deepspeed_parallelism``; last, the engine's optimizer is made to save and load the states of
+ESP-sharded experts in DeepSpeed's layout (ds_plugins.checkpoint).
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 from torch import nn
 
 from commweave import comm
-from ds_plugins import checkpoint, experts
-from ds_plugins.config import ParmConfig
+from ds_plugins import checkpoint, experts, inputs
+from ds_plugins.config import SCHEDULES, ParmConfig
 from ds_plugins.groups import check_layout
 from ds_plugins.moe import ParmMoE, check_tutel
 
@@ -43,6 +46,9 @@ def _config_source(args, config, config_params):
 
 def check_moe(moe: MoE, world_size: int, tp: int) -> None:
     """Everything ParmMoE would reject later, checked on this rank alone (no collective)."""
+    error = inputs.layer_args_error(**inputs.moe_args(moe))
+    if error is not None:
+        raise ValueError(error)
     check_layout(world_size, tp, moe.ep_size, moe.num_experts)
     check_tutel(moe.deepspeed_moe.use_tutel)  # True only with Tutel installed (DeepSpeed drops it otherwise)
     esp = tp if moe.enable_expert_tensor_parallelism else 1
@@ -50,10 +56,14 @@ def check_moe(moe: MoE, world_size: int, tp: int) -> None:
         experts.check_shardable(expert, esp)
 
 
+def _moe_layers(model: nn.Module) -> list:
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, MoE) and not isinstance(m, ParmMoE)]
+
+
 def swap_moe_layers(model: nn.Module, config: ParmConfig, world_size: int, tp: int) -> nn.Module:
     """Replace every DeepSpeed MoE in ``model`` by a ParmMoE; returns the model (itself, or its swap)."""
-    found = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, MoE) and not isinstance(m, ParmMoE)]
+    found = _moe_layers(model)
     for _, moe in found:
         check_moe(moe, world_size, tp)
     for name, moe in found:
@@ -68,14 +78,28 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                lr_scheduler=None, distributed_port=TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None,
                dist_init_required=None, collate_fn=None, config=None, mesh_param=None, config_params=None):
     """``deepspeed.initialize`` (same arguments, same return value) with the ``"parm"`` section applied."""
-    parm = ParmConfig.from_deepspeed(_config_source(args, config, config_params))
-    if parm.enabled and model is not None:
-        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
-                                   distributed_port=distributed_port, dist_init_required=dist_init_required)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                               distributed_port=distributed_port, dist_init_required=dist_init_required)
+    parm, error = ParmConfig(), None
+    try:
+        parm = ParmConfig.from_deepspeed(_config_source(args, config, config_params))
+        if parm.timeout_s is not None:
+            comm.set_timeout(parm.timeout_s)
         world = comm.size(torch.distributed.group.WORLD)
         # a PipelineModule brings its own mpu (its grid), which DeepSpeed's pipeline engine uses
         grid = model.mpu() if mpu is None and isinstance(model, PipelineModule) else mpu
-        model = swap_moe_layers(model, parm, world, bwc_tensor_model_parallel_world_size(grid))
+        tp = bwc_tensor_model_parallel_world_size(grid)
+        if parm.enabled and model is not None:
+            for _, moe in _moe_layers(model):
+                check_moe(moe, world, tp)
+    except (ValueError, OSError) as e:
+        error = f"ds_plugins.initialize: {e}"
+    comm.agree(torch.distributed.group.WORLD, 'ds_plugins.initialize: the "parm" section', error,
+               enabled=int(parm.enabled), schedule=SCHEDULES.index(parm.schedule),
+               overlap_chunks=parm.overlap_chunks, skip_empty_slots=int(parm.skip_empty_slots),
+               debug=int(parm.debug))
+    if parm.enabled and model is not None:
+        model = swap_moe_layers(model, parm, world, tp)
     out = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
                                model_parameters=model_parameters, training_data=training_data,
                                lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,

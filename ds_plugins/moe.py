@@ -26,7 +26,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_group, bwc_tensor_mode
 from torch import nn
 
 from commweave import comm
-from ds_plugins import agreement, checkpoint, experts, moe_timers, selector
+from ds_plugins import agreement, checkpoint, experts, inputs, moe_timers, selector
 from ds_plugins.config import ParmConfig, check_overlap_chunks, check_schedule
 from ds_plugins.groups import ParmGroups, check_layout
 from ds_plugins.schedules import SCHEDULES
@@ -58,9 +58,13 @@ class ParmMoE(MoE):
                  enable_expert_tensor_parallelism: bool = False, top2_2nd_expert_sampling: bool = True, *,
                  schedule: str = "auto", overlap_chunks: int = 4, skip_empty_slots: bool = True,
                  debug: bool = False, cost_cache: str | None = None) -> None:
-        if ep_size < 1 or num_experts % ep_size:
-            raise ValueError(f"num_experts={num_experts} must be divisible by ep_size={ep_size} "
-                             "(every EP rank holds num_experts / ep_size experts)")
+        error = inputs.layer_args_error(
+            hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor, min_capacity,
+            noisy_gate_policy, use_residual=use_residual, drop_tokens=drop_tokens, use_rts=use_rts,
+            enable_expert_tensor_parallelism=enable_expert_tensor_parallelism,
+            top2_2nd_expert_sampling=top2_2nd_expert_sampling)
+        if error is not None:
+            raise ValueError(f"ParmMoE: {error}")
         check_tutel(use_tutel)
         config = ParmConfig(enabled=True, schedule=schedule, overlap_chunks=overlap_chunks,
                             skip_empty_slots=skip_empty_slots, debug=debug, cost_cache=cost_cache)
@@ -110,12 +114,20 @@ class ParmMoE(MoE):
                 "and ds_plugins.initialize call it, so do not call it yourself before them (only when you "
                 "use the layer without an engine)")
         tp = bwc_tensor_model_parallel_world_size(ds_groups.mpu)
-        check_layout(comm.size(torch.distributed.group.WORLD), tp, self.ep_size, self.num_experts)
         esp = tp if self.enable_expert_tensor_parallelism else 1
-        for expert in self.local_experts:
-            experts.check_shardable(expert, esp)
+        try:
+            check_layout(comm.size(torch.distributed.group.WORLD), tp, self.ep_size, self.num_experts)
+            for expert in self.local_experts:
+                experts.check_shardable(expert, esp)
+            error = None
+        except ValueError as e:
+            error = f"ParmMoE.set_deepspeed_parallelism: {e}"
+        if self.expert_group_name not in ds_groups._get_expert_parallel_group_dict():
+            # DeepSpeed is about to create the groups, collectively over the world: every rank is here
+            comm.agree(torch.distributed.group.WORLD, "ParmMoE set-up", error)
         super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
         mp = bwc_tensor_model_parallel_group(ds_groups.mpu) if tp > 1 else None
+        agreement.settings(self, mp, self.deepspeed_moe.ep_group, error)   # same layer on every rank
         self.parm_groups = ParmGroups.build(mp, self.deepspeed_moe.ep_group, shard_experts=esp > 1)
         if esp > 1:
             for expert in self.local_experts:
@@ -130,10 +142,12 @@ class ParmMoE(MoE):
             raise RuntimeError("ParmMoE has no process groups yet: deepspeed.initialize (or "
                                "ds_plugins.initialize) calls set_deepspeed_parallelism(); call it yourself "
                                "when using the layer alone")
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        error = inputs.forward_error(self, hidden_states, used_token)
+        x = None if error else hidden_states.reshape(-1, hidden_states.shape[-1])
         with moe_timers.timed(self.deepspeed_moe, MOE_TIMER):
-            tokens = agreement.tokens(x.shape[0], self.gate.training, self.gate.drop_tokens, self.parm_groups,
-                                      x.device)
+            tokens = agreement.tokens(0 if error else x.shape[0], self.gate.training, self.gate.drop_tokens,
+                                      self.parm_groups, self.gate.wg.weight.device,
+                                      error and f"ParmMoE.forward: {error}")
             schedule = self.schedule if self.schedule != "auto" else selector.choose(self, tokens, x.dtype)
             self.last_schedule = schedule
             out, l_aux, exp_counts = SCHEDULES[schedule](self, x, used_token)

@@ -14,12 +14,21 @@ Parm), and a head; the task is a fixed random next-token map, so the loss falls 
 model is written against DeepSpeed's MoE; ``ds_plugins.initialize`` swaps in ParmMoE when the config's
 ``"parm"`` section is enabled. Rank 0 prints the loss of every step, an eval loss every ``--eval-every``
 steps (``engine.eval()`` under ``torch.no_grad()``, on a held-out batch) and the schedule each layer ran.
+
+``--checkpoint-dir D --save-every K`` saves every K steps and, when D holds a committed checkpoint,
+resumes from it (examples/resume.py: DeepSpeed's files, each rank's RNG state, a commit marker): the batch
+of step i is a function of i alone, so a killed and restarted job retraces the undisturbed one
+(``python -m examples.soak`` does exactly that, with ranks killed at random).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script: `examples` importable
 
 import deepspeed
 import torch
@@ -28,6 +37,7 @@ from deepspeed.moe.layer import MoE
 from torch import nn
 
 import ds_plugins
+from examples.resume import resume, save
 
 
 class MoEBlock(nn.Module):
@@ -73,6 +83,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=5, help="steps between eval passes (0: none)")
+    p.add_argument("--checkpoint-dir", default=None, help="save here and resume from here")
+    p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: none)")
     p = deepspeed.add_config_arguments(p)
     args = p.parse_args()
 
@@ -86,22 +98,26 @@ def main() -> None:
     model = MoELM(args.vocab, args.hidden, args.ffn, args.layers, args.experts, args.ep, args.k)
     engine, *_ = ds_plugins.initialize(args=args, model=model, model_parameters=model.parameters(), mpu=mpu)
 
-    # A fixed random next-token map; the MP ranks of one data-parallel replica see the same batch.
-    g = torch.Generator().manual_seed(1234)
-    successor = torch.randperm(args.vocab, generator=g)
-    g.manual_seed(mpu.get_data_parallel_rank())
+    # A fixed random next-token map; the MP ranks of one data-parallel replica see the same batch, and the
+    # batch of step i depends on i alone (a resumed job sees the batches the undisturbed one saw).
+    successor = torch.randperm(args.vocab, generator=torch.Generator().manual_seed(1234))
+    dp_rank = mpu.get_data_parallel_rank()
     batch = engine.train_micro_batch_size_per_gpu()
     rank0 = torch.distributed.get_rank() == 0
     held_out = torch.randint(args.vocab, (batch, args.seq),
-                             generator=torch.Generator().manual_seed(99 + mpu.get_data_parallel_rank()))
+                             generator=torch.Generator().manual_seed(99 + dp_rank))
     held_out = held_out.to(engine.device)
-    for step in range(args.steps):
+    start = resume(engine, args.checkpoint_dir) if args.checkpoint_dir else 0
+    if rank0 and start:
+        print(f"resumed from step {start}", flush=True)
+    for step in range(start, args.steps):
+        g = torch.Generator().manual_seed(1_000_003 * (dp_rank + 1) + step)
         tokens = torch.randint(args.vocab, (batch, args.seq), generator=g).to(engine.device)
         loss = engine(tokens, successor.to(engine.device)[tokens])
         engine.backward(loss)
         engine.step()
         if rank0:
-            print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
+            print(f"step {step:3d}  loss {loss.item():.6f}", flush=True)
         if args.eval_every and (step + 1) % args.eval_every == 0:
             engine.eval()
             with torch.no_grad():
@@ -109,6 +125,8 @@ def main() -> None:
             engine.train()
             if rank0:
                 print(f"step {step:3d}  eval loss {eval_loss.item():.4f}", flush=True)
+        if args.checkpoint_dir and args.save_every and (step + 1) % args.save_every == 0:
+            save(engine, args.checkpoint_dir, step + 1)
     if rank0:
         ran = [getattr(block.moe, "last_schedule", None) or "deepspeed (MoE not swapped)"
                for block in engine.module.blocks]

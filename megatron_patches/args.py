@@ -16,10 +16,12 @@ every rank alike. To chain with another provider: ``lambda p: add_wallfacer_args
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import warnings
 from dataclasses import dataclass
 
+from commweave import comm
 from megatron_patches.block import KERNELS
 from megatron_patches.hybrid import ulysses_error
 from megatron_patches.layout import team_size_error
@@ -61,6 +63,9 @@ class WallFacerConfig:
     """ib (RDMA: InfiniBand, RoCE) or ethernet (TCP sockets), for "auto" (placement.Calibration)."""
     context_parallel_size: int | None = None
     """P, when known at parse time: the module checks it against its CP group."""
+    timeout_s: float | None = None
+    """Bound in seconds on every wait of commweave's communication (``comm.set_timeout``, applied when
+    WallFacerAttention is built); None: ``COMMWEAVE_TIMEOUT_S``, else 300."""
 
     def __post_init__(self) -> None:
         if self.team_size != "auto" and (not isinstance(self.team_size, int) or self.team_size < 1):
@@ -69,12 +74,18 @@ class WallFacerConfig:
                               ("team_qkv", TEAM_QKV), ("network", tuple(NETWORKS))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"wallfacer {name}={getattr(self, name)!r} is not one of {allowed}")
-        if self.ranks_per_node is not None and self.ranks_per_node < 1:
-            raise ValueError(f"wallfacer ranks_per_node={self.ranks_per_node} must be >= 1")
-        if min(self.bandwidth_gbytes) <= 0 or min(self.latency_us) < 0 or self.tflops <= 0:
-            raise ValueError(f"wallfacer bandwidths {self.bandwidth_gbytes} GB/s and tflops {self.tflops} "
-                             f"must be > 0, latencies {self.latency_us} us >= 0")
-        if self.ulysses_size != "auto" and (not isinstance(self.ulysses_size, int) or self.ulysses_size < 1):
+        if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int)
+                                                or self.ranks_per_node < 1):
+            raise ValueError(f"wallfacer ranks_per_node={self.ranks_per_node!r} must be an integer >= 1")
+        bw, lat = self.bandwidth_gbytes, self.latency_us
+        finite = all(map(math.isfinite, (*bw, *lat, self.tflops))) and len(bw) == 3 and len(lat) == 2
+        if not finite or min(bw) <= 0 or min(lat) < 0 or self.tflops <= 0:
+            raise ValueError(f"wallfacer bandwidths {bw} GB/s (3 numbers) and tflops {self.tflops} "
+                             f"must be > 0, latencies {lat} us (2 numbers) >= 0, all finite")
+        if self.timeout_s is not None:
+            comm.check_seconds(self.timeout_s, "--commweave-timeout-s")
+        if self.ulysses_size != "auto" and (not isinstance(self.ulysses_size, int)
+                                            or isinstance(self.ulysses_size, bool) or self.ulysses_size < 1):
             raise ValueError(f"wallfacer ulysses_size={self.ulysses_size!r} must be an int >= 1 or 'auto'")
         p, u = self.context_parallel_size, self.ulysses
         if p is not None and p % u:
@@ -138,7 +149,8 @@ class WallFacerConfig:
                    team_qkv=args.wallfacer_team_qkv, ulysses_size=args.wallfacer_ulysses_size,
                    ranks_per_node=args.wallfacer_ranks_per_node,
                    bandwidth_gbytes=tuple(args.wallfacer_bandwidth), latency_us=tuple(args.wallfacer_latency),
-                   tflops=args.wallfacer_tflops, network=args.wallfacer_network, context_parallel_size=p)
+                   tflops=args.wallfacer_tflops, network=args.wallfacer_network, context_parallel_size=p,
+                   timeout_s=getattr(args, "commweave_timeout_s", None))
 
 
 def _team_size(value: str) -> int | str:
@@ -148,6 +160,13 @@ def _team_size(value: str) -> int | str:
         return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not an integer or 'auto'") from None
+
+
+def _seconds(value: str) -> float:
+    try:
+        return comm.check_seconds(value, "--commweave-timeout-s")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_wallfacer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -179,4 +198,7 @@ def add_wallfacer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="Dense bf16 TFLOP/s per GPU, for auto.")
     g.add_argument("--wallfacer-network", choices=tuple(NETWORKS), default=d.network,
                    help="ib (RDMA) or ethernet (TCP sockets), for auto.")
+    g.add_argument("--commweave-timeout-s", type=_seconds, default=d.timeout_s,
+                   help="Seconds any wait of commweave's communication may take before it raises, naming the "
+                        "operation and the peer (default: COMMWEAVE_TIMEOUT_S, else 300).")
     return parser

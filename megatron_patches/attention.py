@@ -30,6 +30,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from commweave import comm
 from megatron_patches.args import CP_COMM_TYPES, WallFacerConfig
 from megatron_patches.block import acc_dtype
+from megatron_patches.checks import check_inputs
 from megatron_patches.hybrid import hybrid_groups
 from megatron_patches.layout import team_size_error
 from megatron_patches.placement import choose, nodes_of
@@ -73,6 +74,8 @@ class WallFacerAttention(MegatronModule):
                  wallfacer: WallFacerConfig | None = None) -> None:
         super().__init__(config=config)
         self.wallfacer = wallfacer if wallfacer is not None else _megatron_lm_config()
+        if self.wallfacer.timeout_s is not None:  # --commweave-timeout-s: one setting for the process
+            comm.set_timeout(self.wallfacer.timeout_s)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         refusals = {
             f"attention_type={attention_type!r}: WallFacer is self-attention only": attention_type != "self",
@@ -129,18 +132,18 @@ class WallFacerAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask, attn_mask_type: AttnMaskType | None = None,
                 attention_bias=None, packed_seq_params=None):
         """[sq, b, np, hn] queries, [sk, b, ng, hn] keys/values → [sq, b, np·hn]."""
-        if packed_seq_params is not None:
-            raise ValueError("WallFacerAttention: packed sequences (THD, packed_seq_params) are not "
-                             "supported")
-        if attention_bias is not None:
-            raise ValueError("WallFacerAttention: attention_bias is not supported")
-        if attention_mask is not None:
-            raise ValueError("WallFacerAttention: explicit attention masks are not supported; the mask type "
-                             "(causal or no_mask) says it all. In Megatron-LM pass "
-                             "--no-create-attention-mask-in-dataloader")
         mask = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        if mask not in _MASKS:
-            raise ValueError(f"WallFacerAttention: attn_mask_type={mask}: only causal and no_mask")
+        refusals = {
+            "packed sequences (THD, packed_seq_params) are not supported": packed_seq_params is not None,
+            "attention_bias is not supported": attention_bias is not None,
+            "explicit attention masks are not supported; the mask type (causal or no_mask) says it all. In "
+            "Megatron-LM pass --no-create-attention-mask-in-dataloader": attention_mask is not None,
+            f"attn_mask_type={mask}: only causal and no_mask": mask not in _MASKS,
+        }
+        refusal = next((reason for reason, refused in refusals.items() if refused), None)
+        if refusal is not None:  # raised on every CP rank: the others are in their first call's input check
+            check_inputs(query, key, value, self.cp_group, 1, True, None, "zigzag",
+                         error=f"WallFacerAttention: {refusal}")
         lay, first = self._layout(query, key)
         out = wallfacer_attention(query, key, value, self.cp_group, lay.team_size, causal=_MASKS[mask],
                                   softmax_scale=self.softmax_scale, layout=lay.layout, order=lay.order,

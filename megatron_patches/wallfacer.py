@@ -18,14 +18,13 @@ import torch
 from commweave import comm
 from megatron_patches import block, hybrid
 from megatron_patches.backward import backward_kv, backward_q, row_dot
-from megatron_patches.checks import check_inputs, default_scale
+from megatron_patches.checks import BACKWARDS, check_inputs, default_scale
 from megatron_patches.groups import wallfacer_groups
 from megatron_patches.layout import LAYOUTS, Layout
 from megatron_patches.steps import Run, attend, bhsd, by_member
 from megatron_patches.team import gather_team, reduce_team
 from megatron_patches.volume import Shard, choose_backward
 
-BACKWARDS = ("auto", "kv", "q")
 TEAM_QKV = ("auto", "keep", "rebuild")
 
 
@@ -82,14 +81,12 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
         ``[s_local, b, h, d]`` in q's dtype. Online-softmax state and gradient accumulators are
         fp32 (fp64 for fp64 inputs); fp16, bf16, fp32 and fp64 inputs are supported.
     """
-    if backward not in BACKWARDS:
-        raise ValueError(f"backward={backward!r} is not one of {BACKWARDS}")
-    keep = resolve_team_qkv(team_qkv, team_size) == "keep"
     if not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool) or ulysses_size < 1:
         raise ValueError(f"ulysses_size={ulysses_size!r} must be an int >= 1")
     if ulysses_size > 1:
-        if check:
-            check_inputs(q, k, v, group, 1, causal, softmax_scale, layout)
+        if check:  # the order permutes the inner (P/U) ring: checked there, not over the whole group
+            check_inputs(q, k, v, group, 1, causal, softmax_scale, layout, backward=backward, kernel=kernel,
+                         deterministic=deterministic)
             hybrid.check_hybrid(group, ulysses_size, team_size, LAYOUTS.index(layout), q.shape[2], k.shape[2])
 
         def inner(qh, kh, vh, outer):
@@ -99,7 +96,11 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
 
         return hybrid.ulysses_wallfacer(q, k, v, group, ulysses_size, layout, inner)
     if check:
-        check_inputs(q, k, v, group, team_size, causal, softmax_scale, layout)
+        check_inputs(q, k, v, group, team_size, causal, softmax_scale, layout, backward=backward,
+                     kernel=kernel, order=order, deterministic=deterministic)
+    if backward not in BACKWARDS:  # with check=False
+        raise ValueError(f"backward={backward!r} is not one of {BACKWARDS}")
+    keep = resolve_team_qkv(team_qkv, team_size) == "keep"
     scale = default_scale(q.shape[3]) if softmax_scale is None else float(softmax_scale)
     kern = block.select_kernel(kernel, q.device, q.dtype, deterministic, head_dim=q.shape[3])
     if comm.size(group) == 1:  # the whole sequence, in order (either layout): one kernel call each way

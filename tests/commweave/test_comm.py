@@ -149,6 +149,9 @@ def test_timeout_setting(monkeypatch):
         comm.set_timeout(None)
     with pytest.raises(ValueError, match="timeout=0: "):
         comm.set_timeout(0)
+    with pytest.raises(ValueError, match=r"timeout=True: .* finite number of seconds"):
+        comm.set_timeout(True)
+    assert comm.check_seconds("2.5", "--commweave-timeout-s") == 2.5
 
 
 def _frozen_peer(op):
@@ -194,16 +197,27 @@ def test_a_frozen_peer_is_an_error_within_the_timeout(world, op, names):
 def _agree(shift):
     me, world = dist.get_rank(), dist.group.WORLD
     comm.check_agree(world, "agreement test", rows=16, team=2)  # agreeing values pass
-    try:
-        comm.check_agree(world, "agreement test", rows=16 + (me == shift), team=2)
-    except ValueError as e:
-        return str(e)
-    return None
+    comm.agree(world, "agreement test", None)
+    out = []
+    for error, rows in ((None, 16 + (me == shift)),                          # values differ
+                        ("x=3 must be even" if me in (1, 2) else None, 16),  # ranks 1 and 2 refuse
+                        ("x=3 must be even", 16 + me),                       # every rank refuses alike
+                        ("é" * 400 if me == 0 else None, 16)):               # cut at 512 bytes
+        try:
+            comm.agree(world, "agreement test", error, rows=rows, team=2)
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    return out
 
 
 @pytest.mark.world_size(4)
-def test_disagreeing_sizes_raise_on_every_rank(world):
+def test_disagreeing_sizes_and_refusals_raise_on_every_rank(world):
     msgs = world.run(_agree, 3)
-    assert len(set(msgs)) == 1, msgs
-    assert msgs[0] == ("agreement test: the ranks of group world must agree on rows, got rows: "
-                       "rank 0=16, rank 1=16, rank 2=16, rank 3=17")
+    for i in range(4):
+        assert len({m[i] for m in msgs}) == 1, msgs
+    assert msgs[0][0] == ("agreement test: the ranks of group world must agree on rows, got rows: "
+                          "rank 0=16, rank 1=16, rank 2=16, rank 3=17")
+    assert msgs[0][1] == "rank 1 (and 1 other rank(s)): x=3 must be even"
+    assert msgs[0][2] == "x=3 must be even"  # a refusal comes before a disagreement on values
+    assert msgs[0][3] == "rank 0: " + "é" * 256

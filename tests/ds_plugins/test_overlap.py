@@ -99,7 +99,8 @@ class _Recorder:
                 return work
             n, where = sum(e[0] == "issue" for e in self.events), comm.group_name(group)
             self.events.append(("issue", n, where))
-            return comm.Handle([work], "recorded", where, finish=lambda: self.events.append(("wait", n, where)))
+            waited = ("wait", n, where)
+            return comm.Handle([work], "recorded", where, finish=lambda: self.events.append(waited))
         return call
 
     def concurrent_pairs(self) -> int:

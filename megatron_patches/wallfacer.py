@@ -20,7 +20,7 @@ from megatron_patches import block, hybrid
 from megatron_patches.backward import backward_kv, backward_q, row_dot
 from megatron_patches.checks import check_inputs, default_scale
 from megatron_patches.groups import wallfacer_groups
-from megatron_patches.layout import LAYOUTS, Layout
+from megatron_patches.layout import Layout, team_size_error
 from megatron_patches.steps import Run, attend, bhsd, by_member
 from megatron_patches.team import gather_team, reduce_team
 from megatron_patches.volume import Shard, choose_backward
@@ -74,7 +74,8 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
             over the P/U groups, on U·s rows and h/U heads. U must divide P and h; g must be a
             multiple of U or divide it. ``order`` then permutes the P/U groups.
         check: all-gather a few integers of metadata first so that bad or mismatched inputs raise
-            the same ValueError on every rank (checks.py; hybrid.check_hybrid for U and C).
+            the same ValueError on every rank (checks.py for shapes, dtypes, C, causal, layout and
+            scale; :func:`check_settings` for U, C, backward and team_qkv).
         deterministic: bitwise reproducible gradients (flash-attn's deterministic backward,
             block.py); Megatron's ``deterministic_mode``.
 
@@ -87,19 +88,16 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     keep = resolve_team_qkv(team_qkv, team_size) == "keep"
     if not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool) or ulysses_size < 1:
         raise ValueError(f"ulysses_size={ulysses_size!r} must be an int >= 1")
+    if check:  # the same two all-gathers on every rank, whatever U it was given
+        check_inputs(q, k, v, group, team_size, causal, softmax_scale, layout)
+        check_settings(group, ulysses_size, team_size, backward, team_qkv, q.shape[2], k.shape[2])
     if ulysses_size > 1:
-        if check:
-            check_inputs(q, k, v, group, 1, causal, softmax_scale, layout)
-            hybrid.check_hybrid(group, ulysses_size, team_size, LAYOUTS.index(layout), q.shape[2], k.shape[2])
-
         def inner(qh, kh, vh, outer):
             return wallfacer_attention(qh, kh, vh, outer, team_size, causal, softmax_scale, layout,
                                        order=order, kernel=kernel, backward=backward, team_qkv=team_qkv,
                                        check=False, deterministic=deterministic)
 
         return hybrid.ulysses_wallfacer(q, k, v, group, ulysses_size, layout, inner)
-    if check:
-        check_inputs(q, k, v, group, team_size, causal, softmax_scale, layout)
     scale = default_scale(q.shape[3]) if softmax_scale is None else float(softmax_scale)
     kern = block.select_kernel(kernel, q.device, q.dtype, deterministic, head_dim=q.shape[3])
     if comm.size(group) == 1:  # the whole sequence, in order (either layout): one kernel call each way
@@ -111,6 +109,29 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     mode = choose_backward(lay, sh) if backward == "auto" else backward
     run = Run(groups, kern, scale, bool(causal), mode, keep)
     return _WallFacer.apply(q, k, v, run)
+
+
+def check_settings(group, ulysses_size: int, team_size: int, backward: str, team_qkv: str, heads: int,
+                   kv_heads: int) -> None:
+    """Raise the same ValueError on every rank of ``group`` when the ranks disagree on the settings
+    that decide which collectives run (U, C, the backward variant, team_qkv: a rank running ring
+    attention while the others enter the hybrid's all-to-all would hang them), naming each one and
+    every rank's value (comm.check_agree: one all-gather of 4 int64 per rank); then, all agreeing,
+    when U and C break the hybrid's rules (decided alike everywhere, no further traffic).
+    The shapes (so the heads), causal, layout and scale were agreed by checks.check_inputs.
+    """
+    codes = f"backward {dict(enumerate(BACKWARDS))}, team_qkv {dict(enumerate(TEAM_QKV))}"
+    comm.check_agree(group, f"wallfacer_attention (codes: {codes})", ulysses_size=ulysses_size,
+                     team_size=team_size, backward=BACKWARDS.index(backward),
+                     team_qkv=TEAM_QKV.index(team_qkv))
+    world, u = comm.size(group), ulysses_size
+    if u > 1:
+        error = hybrid.ulysses_error(world, u, heads, kv_heads)
+        if error is None and team_size_error(world // u, team_size):
+            error = f"{team_size_error(world // u, team_size)} (WallFacer runs over P/U = {world // u} " \
+                    f"groups)"
+        if error:
+            raise ValueError(f"wallfacer_attention: {error}")
 
 
 class _WallFacer(torch.autograd.Function):

@@ -412,12 +412,18 @@ def disagreement(group, what: str, error: str | None = None, *, relay: bool = Fa
     another group produced, passed on verbatim). Refusals come first, then the values are compared.
     One all-gather of ``len(values) + 65`` int64 per rank (messages are cut at 512 bytes).
     """
+    return _disagreement(group, what, error, relay, _MESSAGE_BYTES, values)
+
+
+def _disagreement(group, what: str, error: str | None, relay: bool, width: int, values: dict) -> str | None:
+    """:func:`disagreement` with messages of up to ``width`` bytes (0: no refusals, the values only)."""
     names = list(values)
     floats = {n for n in names if isinstance(values[n], float)}   # sent as their bits, shown as numbers
     ints = [struct.unpack("<q", struct.pack("<d", values[n]))[0] if n in floats else int(values[n])
             for n in names]
-    text = (error or "").encode()[:_MESSAGE_BYTES]
-    words = torch.frombuffer(bytearray(text.ljust(_MESSAGE_BYTES, b"\0")), dtype=torch.int64)
+    text = (error or "").encode()[:width]
+    words = torch.frombuffer(bytearray(text.ljust(width, b"\0")), dtype=torch.int64) if width else \
+        torch.empty(0, dtype=torch.int64)
     mine = torch.cat([torch.tensor([*ints, len(text) if error else -1], dtype=torch.int64), words])
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     every = torch.empty(size(group), mine.numel(), dtype=torch.int64, device=device)
@@ -458,9 +464,11 @@ def check_agree(group, what: str, **values: int) -> None:
 
     Sizes that a later collective depends on (shapes, team sizes, schedule ids) are checked here first,
     so a disagreement is a ``ValueError`` naming each value per rank instead of a hang or a mismatched
-    transfer (:func:`agree` without a refusal).
+    transfer (:func:`agree` without a refusal). One all-gather of ``len(values) + 1`` int64 per rank.
     """
-    agree(group, what, None, **values)
+    message = _disagreement(group, what, None, False, 0, values)
+    if message is not None:
+        raise ValueError(message)
 
 
 @contextmanager

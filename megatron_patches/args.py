@@ -49,7 +49,9 @@ class WallFacerConfig:
     (wallfacer.resolve_team_qkv: rebuild when C > 1 unless the layer is fully recomputed)."""
     ulysses_size: int | str = 1
     """U: Ulysses x WallFacer, a head all-to-all over U consecutive CP ranks, WallFacer over the P/U
-    groups (hybrid.py); 1 is WallFacer alone. "auto" is U = 1 (the team size is still chosen)."""
+    groups (hybrid.py); 1 is WallFacer alone. "auto": the cost model picks U among 1 and the sizes the
+    heads allow inside a node (estimate.choose_hybrid), with C (when team_size is "auto" too, else the
+    given C where C² divides P/U) and the placement order."""
     ranks_per_node: int | None = None
     """Consecutive global ranks per node; None reads LOCAL_WORLD_SIZE (else one node)."""
     bandwidth_gbytes: tuple[float, float, float] = (450.0, 400.0, 50.0)
@@ -87,19 +89,14 @@ class WallFacerConfig:
         if self.ulysses_size != "auto" and (not isinstance(self.ulysses_size, int)
                                             or isinstance(self.ulysses_size, bool) or self.ulysses_size < 1):
             raise ValueError(f"wallfacer ulysses_size={self.ulysses_size!r} must be an int >= 1 or 'auto'")
-        p, u = self.context_parallel_size, self.ulysses
-        if p is not None and p % u:
+        p, u = self.context_parallel_size, 1 if self.ulysses_size == "auto" else self.ulysses_size
+        if p is not None and p % u:  # ("auto" can always fall back to U = 1)
             raise ValueError(f"--wallfacer-ulysses-size {u} must divide --context-parallel-size {p}")
         if p is not None and self.team_size != "auto":
             error = team_size_error(p // u, self.team_size)
             if error:
                 where = "--context-parallel-size" + ("" if u == 1 else f" / --wallfacer-ulysses-size {u}")
                 raise ValueError(f"--wallfacer-team-size: {error} ({where})")
-
-    @property
-    def ulysses(self) -> int:
-        """The Ulysses size U in use: "auto" is 1, WallFacer alone."""
-        return 1 if self.ulysses_size == "auto" else self.ulysses_size
 
     def node_size(self, world_size: int) -> int:
         if self.ranks_per_node is not None:
@@ -186,7 +183,8 @@ def add_wallfacer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "one more team all-gather); auto rebuilds when C > 1 without full recompute.")
     g.add_argument("--wallfacer-ulysses-size", type=_team_size, default=d.ulysses_size,
                    help="U: head all-to-all over U consecutive CP ranks, WallFacer over the P/U groups "
-                        "(1 = WallFacer alone; auto = 1).")
+                        "(1 = WallFacer alone; auto: the cost model picks U, and C with "
+                        "--wallfacer-team-size auto, from the cluster arguments below).")
     g.add_argument("--wallfacer-ranks-per-node", type=int, default=d.ranks_per_node,
                    help="GPUs per node (default: LOCAL_WORLD_SIZE).")
     g.add_argument("--wallfacer-bandwidth", type=float, nargs=3, default=list(d.bandwidth_gbytes),

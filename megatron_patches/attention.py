@@ -31,9 +31,9 @@ from commweave import comm
 from megatron_patches.args import CP_COMM_TYPES, WallFacerConfig
 from megatron_patches.block import acc_dtype
 from megatron_patches.checks import check_inputs
-from megatron_patches.hybrid import hybrid_groups
+from megatron_patches.estimate import Plan, choose_hybrid
 from megatron_patches.layout import team_size_error
-from megatron_patches.placement import choose, nodes_of
+from megatron_patches.placement import nodes_of
 from megatron_patches.volume import Shard
 from megatron_patches.wallfacer import resolve_team_qkv, wallfacer_attention
 
@@ -59,6 +59,24 @@ def _megatron_lm_config() -> WallFacerConfig:
                          "get_gpt_layer_wallfacer_spec(WallFacerConfig(...)), or run under Megatron-LM "
                          "with extra_args_provider=add_wallfacer_args") from None
     return WallFacerConfig.from_args(get_args())
+
+
+def plan_layout(cfg: WallFacerConfig, cp_ranks: list[int], world_size: int, q_shape, kv_heads: int, dtype,
+                causal: bool) -> Plan:
+    """How WallFacerAttention runs a call: Ulysses size U, team size C and WallFacer's layout over the P/U
+    groups, for one CP group (``cp_ranks``: its global ranks; ``world_size``: the job's ranks, for the
+    default node size) and this rank's ``q_shape`` [s, b, h, d] with ``kv_heads`` K/V heads.
+
+    A pure function of the config, the shapes and the topology arguments, so every rank plans alike
+    without communication (the first call's check agrees the outcome): "auto" settings go to the cost
+    model (estimate.choose_hybrid, the same choice ``python -m megatron_patches.estimate`` marks).
+    """
+    s, b, h, d = q_shape
+    sh = Shard(s, b, h, kv_heads, d, dtype.itemsize, acc_dtype(dtype).itemsize)
+    nodes = nodes_of(cp_ranks, cfg.node_size(world_size))
+    auto = "auto" in (cfg.team_size, cfg.placement, cfg.ulysses_size)
+    return choose_hybrid(len(cp_ranks), sh, nodes, cfg.topology(world_size) if auto else None, causal,
+                         ulysses_size=cfg.ulysses_size, team_size=cfg.team_size, placement=cfg.placement)
 
 
 class WallFacerAttention(MegatronModule):
@@ -99,35 +117,32 @@ class WallFacerAttention(MegatronModule):
         if world != expected:
             raise ValueError(f"WallFacerAttention: the CP group has {world} ranks, the config says "
                              f"context_parallel_size={expected}")
-        u = self.wallfacer.ulysses
-        if world % u:
+        u = self.wallfacer.ulysses_size
+        if u != "auto" and world % u:
             raise ValueError(f"WallFacerAttention: ulysses_size {u} must divide the {world} CP ranks")
-        if self.wallfacer.team_size != "auto" and team_size_error(world // u, self.wallfacer.team_size):
-            raise ValueError(f"WallFacerAttention: {team_size_error(world // u, self.wallfacer.team_size)}")
+        p = world if u == "auto" else world // u  # auto can always fall back to U = 1
+        if self.wallfacer.team_size != "auto" and team_size_error(p, self.wallfacer.team_size):
+            raise ValueError(f"WallFacerAttention: {team_size_error(p, self.wallfacer.team_size)}")
         self.recomputed = config.recompute_granularity == "full"
         self.softmax_scale = megatron_softmax_scale(config, softmax_scale)
         self.deterministic = bool(config.deterministic_mode)
-        self._layouts: dict[tuple, object] = {}
+        self._plans: dict[tuple, Plan] = {}
 
-    def _layout(self, query, key):
-        """Team size and rank order for these shapes (cost model on first use; same on every rank).
-        With Ulysses size U > 1, WallFacer's: P/U groups of U·s rows and h/U heads."""
-        sig = (tuple(query.shape), key.shape[2], query.dtype)
-        if sig not in self._layouts:
-            cfg, u = self.wallfacer, self.wallfacer.ulysses
-            group = self.cp_group if u == 1 else hybrid_groups(self.cp_group, u).outer
-            world = comm.size(group)
-            sh = Shard(u * query.shape[0], query.shape[1], query.shape[2] // u, max(1, key.shape[2] // u),
-                       query.shape[3], query.element_size(), acc_dtype(query.dtype).itemsize)
-            ranks = [comm.global_rank(group, r) for r in range(world)]
-            everyone = comm.size(dist.group.WORLD)
-            nodes = nodes_of(ranks, cfg.node_size(everyone))
-            auto = cfg.team_size == "auto" or cfg.placement == "auto"
-            self._layouts[sig] = choose(world, sh, nodes, cfg.topology(everyone) if auto else None,
-                                        cfg.team_size, cfg.placement,
-                                        causal=_MASKS[self.attn_mask_type])
-            return self._layouts[sig], True
-        return self._layouts[sig], False
+    def _layout(self, query, key, causal: bool) -> tuple[Plan, bool]:
+        """The plan (U, C, WallFacer's layout over the P/U groups) for these shapes, and whether this is
+        its first call: then wallfacer_attention checks the inputs and agrees U, C, the backward
+        variant and team_qkv over the CP group (one all-gather each, before any other traffic)."""
+        sig = (tuple(query.shape), key.shape[2], query.dtype, causal)
+        if sig in self._plans:
+            return self._plans[sig], False
+        ranks = [comm.global_rank(self.cp_group, r) for r in range(comm.size(self.cp_group))]
+        try:
+            plan = plan_layout(self.wallfacer, ranks, comm.size(dist.group.WORLD), query.shape, key.shape[2],
+                               query.dtype, causal)
+        except ValueError as e:
+            raise ValueError(f"WallFacerAttention: {e}") from None
+        self._plans[sig] = plan
+        return plan, True
 
     def forward(self, query, key, value, attention_mask, attn_mask_type: AttnMaskType | None = None,
                 attention_bias=None, packed_seq_params=None):
@@ -144,13 +159,14 @@ class WallFacerAttention(MegatronModule):
         if refusal is not None:  # raised on every CP rank: the others are in their first call's input check
             check_inputs(query, key, value, self.cp_group, 1, True, None, "zigzag",
                          error=f"WallFacerAttention: {refusal}")
-        lay, first = self._layout(query, key)
+        plan, first = self._layout(query, key, _MASKS[mask])
+        lay = plan.layout
         out = wallfacer_attention(query, key, value, self.cp_group, lay.team_size, causal=_MASKS[mask],
                                   softmax_scale=self.softmax_scale, layout=lay.layout, order=lay.order,
                                   kernel=self.wallfacer.kernel, backward=self.wallfacer.backward,
                                   team_qkv=resolve_team_qkv(self.wallfacer.team_qkv, lay.team_size,
                                                             self.recomputed),
-                                  ulysses_size=self.wallfacer.ulysses, check=first,
+                                  ulysses_size=plan.ulysses_size, check=first,
                                   deterministic=self.deterministic)
         return out.reshape(out.shape[0], out.shape[1], -1)
 

@@ -6,12 +6,16 @@
 Rows: ring attention (WallFacer with C = 1), DeepSpeed-Ulysses (one all-to-all over all P ranks each
 way; only where the heads split over P), WallFacer with every valid team size C, and the hybrid
 (U, C): an all-to-all over heads inside groups of U ranks of one node, then WallFacer with team size C
-over the P/U groups (each group rank holds U·N/P tokens of h/U heads). The model is placement.py's
-calibrated alpha-beta model (placement.Calibration) — a projection, not a measurement. The last line
-is JSON: ``{"ring_s", "ulysses_s" (or null), "wallfacer": {"team_size", "s"} (the best WallFacer
-alone, U = 1), "best": {"team_size", "ulysses_size", "s"}, ...}``.
+over the P/U groups (each group rank holds U·N/P tokens of h/U heads; K/V heads fewer than U are
+replicated to U/g ranks, as hybrid.py sends them). The model is placement.py's calibrated alpha-beta
+model (placement.Calibration) — a projection, not a measurement. ``<- best`` marks the fastest row,
+``<- auto`` the plan WallFacerAttention runs with ``--wallfacer-ulysses-size auto --wallfacer-team-size
+auto --wallfacer-placement auto`` and the cluster flags printed below the table (DeepSpeed-Ulysses is an
+anchor, not a plan auto can run). The last line is JSON: ``{"ring_s", "ulysses_s" (or null),
+"wallfacer": {"team_size", "s"} (the best WallFacer alone, U = 1), "best": {"team_size", "ulysses_size",
+"s"}, "auto": {"team_size", "ulysses_size", "order", "s"}}``.
 
-:func:`choose_hybrid` is the same choice for WallFacerAttention's ``auto`` (one CP group's shards).
+:func:`choose_hybrid` is that choice (attention.plan_layout calls it for one CP group's shards).
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import json
 from dataclasses import dataclass, replace
 
 from commweave.cost import AlphaBeta
-from megatron_patches.layout import Layout, valid_team_sizes
-from megatron_patches.placement import BWD_FLOPS, NETWORKS, ORDERS, Topology, estimate, nodes_of
+from megatron_patches.hybrid import ulysses_error
+from megatron_patches.layout import Layout, team_size_error, valid_team_sizes
+from megatron_patches.placement import BWD_FLOPS, NETWORKS, ORDERS, Topology, choose, estimate, nodes_of
 from megatron_patches.volume import Shard
 
 
@@ -46,8 +51,9 @@ class Cluster:
         if self.gpus < 1 or self.gpus_per_node < 1 or self.gpus % min(self.gpus, self.gpus_per_node):
             raise ValueError(f"--gpus {self.gpus} must be a positive multiple of --gpus-per-node "
                              f"{self.gpus_per_node} (or fewer than one node)")
-        if min(self.intra_gbytes, self.inter_gbits, self.tflops) <= 0 or self.latency_us < 0:
-            raise ValueError("bandwidths and --tflops must be > 0, --latency-us >= 0")
+        if min(self.intra_gbytes, self.inter_gbits, self.tflops) <= 0 or min(self.latency_us,
+                                                                            self.intra_latency_us) < 0:
+            raise ValueError("bandwidths and --tflops must be > 0, --latency-us and --intra-latency-us >= 0")
         if self.network not in NETWORKS:
             raise ValueError(f"--network {self.network!r} is not one of {sorted(NETWORKS)}")
 
@@ -65,6 +71,15 @@ class Cluster:
 
     def nodes(self) -> list[int]:
         return nodes_of(range(self.gpus), self.gpus_per_node)
+
+    def wallfacer_flags(self) -> list[str]:
+        """The ``--wallfacer-*`` cluster arguments under which WallFacerAttention's "auto" uses this
+        topology (args.WallFacerConfig.topology equals :meth:`topology`)."""
+        node = self.inter_gbits / 8
+        return ["--wallfacer-ranks-per-node", f"{self.gpus_per_node}",
+                "--wallfacer-bandwidth", *(f"{x:.12g}" for x in (self.intra_gbytes, node, node / self.nics)),
+                "--wallfacer-latency", f"{self.intra_latency_us:.12g}", f"{self.latency_us:.12g}",
+                "--wallfacer-tflops", f"{self.tflops:.12g}", "--wallfacer-network", self.network]
 
 
 @dataclass(frozen=True)
@@ -94,18 +109,30 @@ class Model:
 
 @dataclass(frozen=True)
 class Plan:
+    """One way to run a CP group's attention: Ulysses size U, team size C, the slot order of WallFacer
+    over the P/U groups (``layout``: what WallFacerAttention hands wallfacer_attention), and the
+    model's seconds (None where nothing was left to the model)."""
+
     ulysses_size: int
     team_size: int
     order: str
-    seconds: float
+    seconds: float | None
+    layout: Layout | None = None
+
+
+def _wire_kv_heads(sh: Shard, u: int) -> int:
+    """K/V heads one rank's all-to-all carries: g when U divides g, else U (each of the g heads is
+    replicated to the U/g members whose query heads read it, hybrid.py)."""
+    return u * max(1, sh.hkv // u)
 
 
 def _all_to_all(sh: Shard, u: int, nodes: list[int], topo: Topology) -> float:
     """The head all-to-alls of one forward + backward over groups of u consecutive ranks: q, k, v in
-    and O out; dO in and dq, dk, dv out (each rank keeps (u−1)/u of nothing, sends the rest)."""
+    and O out; dO in and dq, dk, dv out (each rank keeps 1/u of its buffer, sends the rest). With
+    fewer K/V heads than u the replicated heads ride along (volume.hybrid_bytes)."""
     if u == 1:
         return 0.0
-    n = 4 * (sh.a_q + sh.a_kv) * sh.elt
+    n = 4 * (sh.a_q + sh.s * sh.b * _wire_kv_heads(sh, u) * sh.d) * sh.elt
     group_nodes = nodes[:u]
     per_node = group_nodes.count(group_nodes[0])
     if per_node == u:
@@ -116,22 +143,44 @@ def _all_to_all(sh: Shard, u: int, nodes: list[int], topo: Topology) -> float:
     return 4 * (u - 1) * topo.nic.alpha + max(inter, intra)
 
 
-def _hybrid_parts(sh: Shard, u: int, nodes: list[int], topo: Topology):
-    """The WallFacer problem each of the u parallel groups solves, with the network it shares."""
+def _hybrid_parts(sh: Shard, u: int, nodes: list[int], topo: Topology | None):
+    """The WallFacer problem each of the u parallel groups solves, with the network it shares. The
+    nodes are outer group 0's (CP ranks 0, U, 2U ...): with Ulysses groups inside nodes every outer
+    group sees the same ones, and every rank plans alike."""
     inner = Shard(sh.s * u, sh.b, sh.hq // u, max(sh.hkv // u, 1), sh.d, sh.elt, sh.acc)
     sub_nodes = nodes[::u]
-    shared = replace(topo, nic=AlphaBeta(topo.nic.alpha, topo.nic.beta * u))
+    shared = None if topo is None else replace(topo, nic=AlphaBeta(topo.nic.alpha, topo.nic.beta * u))
     return inner, sub_nodes, shared
+
+
+def plan(world: int, sh: Shard, nodes: list[int], topo: Topology | None, u: int,
+         team_size: int | str = "auto", placement: str = "auto", causal: bool = True,
+         layout: str = "zigzag") -> Plan:
+    """(U, C) for one CP group of ``world`` ranks with this rank's shard ``sh``: placement.choose over
+    the P/U groups (C and the order by the model where "auto"), timed when ``topo`` is given.
+
+    ValueError for what the hybrid refuses (hybrid.ulysses_error: U must divide P and the query
+    heads, the K/V heads must be a multiple of U or divide it) and for C² not dividing P/U.
+    """
+    error = ulysses_error(world, u, sh.hq, sh.hkv)
+    if error is None and team_size != "auto":
+        error = team_size_error(world // u, team_size)
+    if error:
+        raise ValueError(error)
+    inner, sub_nodes, shared = _hybrid_parts(sh, u, nodes, topo)
+    p = world // u
+    lay = choose(p, inner, sub_nodes, shared, team_size, placement, layout, causal)
+    name = next(n for n, order in ORDERS.items() if tuple(order(p, lay.team_size)) == lay.order)
+    seconds = None if topo is None else \
+        estimate(lay, inner, sub_nodes, shared, causal) + _all_to_all(sh, u, nodes, topo)
+    return Plan(u, lay.team_size, name, seconds, lay)
 
 
 def hybrid_s(world: int, sh: Shard, nodes: list[int], topo: Topology, u: int, c: int,
              causal: bool = True) -> tuple[float, str]:
     """Seconds of (U, C) and the better slot order of its WallFacer part."""
-    inner, sub_nodes, shared = _hybrid_parts(sh, u, nodes, topo)
-    p = world // u
-    best = min((estimate(Layout(p, c, order(p, c)), inner, sub_nodes, shared, causal), name)
-               for name, order in ORDERS.items())
-    return best[0] + _all_to_all(sh, u, nodes, topo), best[1]
+    best = plan(world, sh, nodes, topo, u, c, "auto", causal)
+    return best.seconds, best.order
 
 
 def ulysses_s(world: int, sh: Shard, nodes: list[int], topo: Topology, causal: bool = True) -> float | None:
@@ -146,25 +195,41 @@ def ulysses_s(world: int, sh: Shard, nodes: list[int], topo: Topology, causal: b
     return attn + _all_to_all(kv, world, nodes, topo)
 
 
-def hybrid_sizes(world: int, sh: Shard, ranks_per_node: int) -> list[int]:
-    """U > 1 for the hybrid: U | P, U inside a node, heads and K/V heads split by U (no K/V expansion)."""
-    return [u for u in range(2, min(world, ranks_per_node) + 1)
-            if world % u == 0 and ranks_per_node % u == 0 and sh.hq % u == 0 and sh.hkv % u == 0]
+def hybrid_sizes(world: int, sh: Shard, nodes: list[int]) -> list[int]:
+    """U > 1 for the hybrid: what hybrid.py runs (U | P, U | query heads, K/V heads a multiple of U or
+    dividing it) with every Ulysses group of U consecutive CP ranks inside one node."""
+    return [u for u in range(2, world + 1)
+            if ulysses_error(world, u, sh.hq, sh.hkv) is None
+            and all(len(set(nodes[i:i + u])) == 1 for i in range(0, world, u))]
 
 
 def plans(world: int, sh: Shard, nodes: list[int], topo: Topology, causal: bool = True) -> list[Plan]:
-    """Every (U, C), U = 1 first (WallFacer alone; C = 1 is ring attention)."""
-    out = []
-    for u in [1, *hybrid_sizes(world, sh, topo.ranks_per_node)]:
-        for c in valid_team_sizes(world // u):
-            t, order = hybrid_s(world, sh, nodes, topo, u, c, causal)
-            out.append(Plan(u, c, order, t))
-    return out
+    """Every (U, C), U = 1 first (WallFacer alone; C = 1 is ring attention), each with its better order."""
+    return [plan(world, sh, nodes, topo, u, c, "auto", causal)
+            for u in [1, *hybrid_sizes(world, sh, nodes)] for c in valid_team_sizes(world // u)]
 
 
-def choose_hybrid(world: int, sh: Shard, nodes: list[int], topo: Topology, causal: bool = True) -> Plan:
-    """The fastest (U, C) for one CP group's shards (``nodes``: each CP rank's node)."""
-    return min(plans(world, sh, nodes, topo, causal), key=lambda p: p.seconds)
+def choose_hybrid(world: int, sh: Shard, nodes: list[int], topo: Topology | None, causal: bool = True, *,
+                  ulysses_size: int | str = "auto", team_size: int | str = "auto",
+                  placement: str = "auto", layout: str = "zigzag") -> Plan:
+    """WallFacerAttention's choice for one CP group (``nodes``: each CP rank's node; ``sh``: one rank's
+    shard as Megatron hands it): the fastest plan among the U allowed ("auto": 1 and hybrid_sizes) and
+    the team sizes allowed ("auto": every valid C, else the given C where it is valid for P/U), each
+    with ``placement``'s order. A pure function of its arguments: every rank makes the same choice.
+    ``topo`` may be None when nothing is "auto". Ties go to the smaller U, then the smaller C.
+    """
+    if ulysses_size != "auto":
+        return plan(world, sh, nodes, topo, ulysses_size, team_size, placement, causal, layout)
+    if topo is None:
+        raise ValueError("ulysses_size='auto' needs a Topology for the cost model")
+    candidates = []
+    for u in [1, *hybrid_sizes(world, sh, nodes)]:
+        sizes = valid_team_sizes(world // u) if team_size == "auto" else [team_size]
+        candidates += [plan(world, sh, nodes, topo, u, c, placement, causal, layout)
+                       for c in sizes if team_size_error(world // u, c) is None]
+    if not candidates:
+        raise ValueError(team_size_error(world, team_size))
+    return min(candidates, key=lambda p: p.seconds)
 
 
 def dense_layer_s(cluster: Cluster, model: Model, recompute: bool = True) -> float:
@@ -180,14 +245,18 @@ def report(cluster: Cluster, model: Model) -> dict:
     all_plans = plans(world, sh, nodes, topo, model.causal)
     ring = next(p for p in all_plans if p.ulysses_size == 1 and p.team_size == 1)
     alone = min((p for p in all_plans if p.ulysses_size == 1), key=lambda p: p.seconds)
-    best = min(all_plans, key=lambda p: p.seconds)
+    auto = choose_hybrid(world, sh, nodes, topo, model.causal)
+    best = auto
     uly = ulysses_s(world, sh, nodes, topo, model.causal)
     if uly is not None and uly < best.seconds:
         best = Plan(world, 1, "ulysses", uly)
     return {"ring_s": ring.seconds, "ulysses_s": uly,
             "wallfacer": {"team_size": alone.team_size, "order": alone.order, "s": alone.seconds},
             "best": {"team_size": best.team_size, "ulysses_size": best.ulysses_size, "s": best.seconds},
-            "plans": all_plans, "dense_layer_s": dense_layer_s(cluster, model)}
+            "auto": {"team_size": auto.team_size, "ulysses_size": auto.ulysses_size, "order": auto.order,
+                     "s": auto.seconds},
+            "plans": all_plans, "dense_layer_s": dense_layer_s(cluster, model),
+            "_best": best, "_auto": auto}
 
 
 def _print(cluster: Cluster, model: Model, rep: dict) -> None:
@@ -196,22 +265,28 @@ def _print(cluster: Cluster, model: Model, rep: dict) -> None:
           f"intra, {cluster.inter_gbits:g} Gb/s {cluster.network} per node), {model.seq} tokens, "
           f"{model.heads} heads ({model.kv_heads or model.heads} K/V) x {model.hidden // model.heads}, "
           f"{'causal' if model.causal else 'no mask'}")
-    best = rep["best"]
-    rows = [("ring attention (C=1)", rep["ring_s"], 1, 1)]
+    ring = next(p for p in rep["plans"] if (p.ulysses_size, p.team_size) == (1, 1))
+    rows = [("ring attention (C=1)", ring)]
     if rep["ulysses_s"] is not None:
-        rows.append((f"DeepSpeed-Ulysses (U={cluster.gpus})", rep["ulysses_s"], cluster.gpus, 1))
+        rows.append((f"DeepSpeed-Ulysses (U={cluster.gpus})", rep["_best"] if rep["_best"].order == "ulysses"
+                     else Plan(cluster.gpus, 1, "ulysses", rep["ulysses_s"])))
     else:
         print(f"  DeepSpeed-Ulysses: n/a ({model.heads} heads do not split over {cluster.gpus} GPUs)")
     for p in rep["plans"]:
-        if (p.ulysses_size, p.team_size) != (1, 1):
+        if p is not ring:
             name = f"WallFacer C={p.team_size}" if p.ulysses_size == 1 else \
                 f"hybrid U={p.ulysses_size} x WallFacer C={p.team_size}"
-            rows.append((f"{name} ({p.order})", p.seconds, p.ulysses_size, p.team_size))
+            rows.append((f"{name} ({p.order})" if p.team_size > 1 else name, p))
     print(f"  {'':44s} {'ms':>9s} {'vs ring':>8s}")
-    for name, t, u, c in rows:
-        mark = "  <- best" if (u, c) == (best["ulysses_size"], best["team_size"]) else ""
-        print(f"  {name:44s} {1e3 * t:9.2f} {rep['ring_s'] / t:7.2f}x{mark}")
+    for name, p in rows:
+        marks = [m for m, chosen in (("best", rep["_best"]), ("auto", rep["_auto"])) if p == chosen]
+        mark = f"  <- {', '.join(marks)}" if marks else ""
+        print(f"  {name:44s} {1e3 * p.seconds:9.2f} {rep['ring_s'] / p.seconds:7.2f}x{mark}")
     print(f"  (the layer's GEMMs, for scale: {1e3 * rep['dense_layer_s']:.2f} ms)")
+    auto = rep["auto"]
+    print(f"  auto: WallFacerAttention with --wallfacer-ulysses-size auto --wallfacer-team-size auto "
+          f"--wallfacer-placement auto {' '.join(cluster.wallfacer_flags())} runs U={auto['ulysses_size']}, "
+          f"C={auto['team_size']} ({auto['order']})")
 
 
 def main(argv=None) -> dict:
@@ -221,6 +296,7 @@ def main(argv=None) -> dict:
     p.add_argument("--intra-GBps", type=float, default=450.0, help="one GPU's link in a node, GB/s one way")
     p.add_argument("--inter-Gbps", type=float, default=3200.0, help="a node's network, all NICs, Gb/s")
     p.add_argument("--latency-us", type=float, default=10.0, help="network latency per message")
+    p.add_argument("--intra-latency-us", type=float, default=3.0, help="latency per message inside a node")
     p.add_argument("--tflops", type=float, default=989.0, help="one GPU's dense bf16 TFLOP/s")
     p.add_argument("--network", choices=sorted(NETWORKS), default="ib",
                    help="ib: RDMA (InfiniBand, RoCE); ethernet: TCP sockets (see placement.Calibration)")
@@ -235,13 +311,13 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     try:
         cluster = Cluster(a.gpus, a.gpus_per_node, a.intra_GBps, a.inter_Gbps, a.latency_us, a.tflops,
-                          a.network, a.nics_per_node)
+                          a.network, a.nics_per_node, a.intra_latency_us)
         model = Model(a.hidden, a.heads, a.kv_heads, a.seq, a.batch, a.causal)
         rep = report(cluster, model)
     except ValueError as e:
         p.error(str(e))
     _print(cluster, model, rep)
-    line = {k: v for k, v in rep.items() if k not in ("plans", "dense_layer_s")}
+    line = {k: v for k, v in rep.items() if k not in ("plans", "dense_layer_s", "_best", "_auto")}
     print(json.dumps(line))
     return line
 

@@ -36,7 +36,6 @@ from commweave import comm
 from megatron_patches.groups import subgroup
 
 ULYSSES, OUTER = "wallfacer.ulysses", "wallfacer.outer"
-_META = 3  # the int64 per rank of the hybrid's own check: U, C, the layout's index
 
 
 def ulysses_error(world: int, ulysses_size: int, heads: int, kv_heads: int) -> str | None:
@@ -102,30 +101,6 @@ def hybrid_groups(cp_group, u: int) -> HybridGroups:
             groups.append(group)
         _cache[key] = HybridGroups(groups[0], groups[1], member, index, u)
     return _cache[key]
-
-
-def check_hybrid(group, ulysses_size: int, team_size: int, layout_index: int, heads: int,
-                 kv_heads: int) -> None:
-    """Raise the same ValueError on every rank if U or C break a rule on any rank or ranks disagree.
-
-    The shapes were checked (checks.py) and are equal on every rank; this all-gathers the three
-    integers the hybrid adds, so a rank passing another U cannot leave the others in an all-to-all.
-    """
-    from megatron_patches.layout import team_size_error
-
-    world = comm.size(group)
-    mine = torch.tensor([ulysses_size, team_size, layout_index], dtype=torch.int64)
-    metas = torch.empty(world, _META, dtype=torch.int64)
-    comm.all_gather(metas, mine, group)
-    for r, (u, c, _) in enumerate(metas.tolist()):
-        error = ulysses_error(world, u, heads, kv_heads) or team_size_error(world // u, c)
-        if error:
-            where = "" if (metas == metas[0]).all() else f"rank {r}: "
-            raise ValueError(f"wallfacer_attention: {where}{error} (WallFacer runs over P/U = "
-                             f"{world // max(u, 1)} groups)")
-    if not (metas == metas[0]).all():
-        raise ValueError(f"wallfacer_attention: ranks disagree on (ulysses_size, team_size, layout): "
-                         f"{[tuple(m) for m in metas.tolist()]}")
 
 
 class _Shape:

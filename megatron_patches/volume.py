@@ -9,6 +9,8 @@ Per rank, with A_q = s·b·h_q·d and A_kv = s·b·h_kv·d elements of one rank'
 element size, e' the accumulator's (fp32, or fp64 for fp64 inputs), C the team size, G = P/C²:
 
 forward
+    checks (a checked call)            22 + 5 int64 to each other rank of the caller's group
+                                       (checks.check_inputs, wallfacer.check_settings; also for U > 1)
     all-gather q, k, v in the team     (A_q + 2A_kv)(C−1)·e
     all-gather lse in the team         C·s·b·h_q·(C−1)·e'
     placement (paper Alg. 2)           2C·A_kv·e, unless the rank keeps its own team's K/V
@@ -37,7 +39,6 @@ forward
     all-to-all O back                  (U−1)·row·n·e
     WallFacer over the P/U groups      the formulas above for U·s rows, n and n' heads, team size C,
                                        its placement moves over group "outer"
-    checks (first call)                the 22 int64 above and 3 more (U, C, layout), over the CP group
 backward
     all-to-all dO, then dq, dk, dv     (U−1)·row·n·e + (U−1)·row·(n + 2n')·e
     WallFacer's backward over the P/U groups
@@ -56,7 +57,7 @@ from dataclasses import dataclass
 from megatron_patches.layout import Layout
 
 META_BYTES = 22 * 8  # checks._FIELDS int64 per rank
-HYBRID_META_BYTES = 3 * 8  # hybrid._META int64 per rank
+SETTINGS_BYTES = (4 + 1) * 8  # wallfacer.check_settings: U, C, backward, team_qkv (comm.check_agree)
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def forward_bytes(lay: Layout, sh: Shard, rank: int, checked: bool = True) -> Co
     """Bytes ``rank`` sends in the forward, keyed ``(kind, "team"|"ring"|"cp")``."""
     c, g, out = lay.team_size, lay.ring_len, Counter()
     if checked and lay.world > 1:
-        out["all_gather", "cp"] += META_BYTES * (lay.world - 1)
+        out["all_gather", "cp"] += (META_BYTES + SETTINGS_BYTES) * (lay.world - 1)
     if c > 1:
         out["all_gather", "team"] += (sh.a_q + 2 * sh.a_kv) * (c - 1) * sh.elt    # q, k, v
         out["all_gather", "team"] += c * sh.rows * (c - 1) * sh.acc                # lse
@@ -165,7 +166,7 @@ def hybrid_bytes(world: int, u: int, lay: Layout, sh: Shard, rank: int, mode: st
     fwd = outer(forward_bytes(lay, inner, index, checked=False))
     fwd["all_to_all", "ulysses"] += row * (n + 2 * n_kv) + row * n
     if checked:
-        fwd["all_gather", "cp"] += (META_BYTES + HYBRID_META_BYTES) * (world - 1)
+        fwd["all_gather", "cp"] += (META_BYTES + SETTINGS_BYTES) * (world - 1)
     bwd = outer(backward_bytes(lay, inner, index, mode, rebuild))
     bwd["all_to_all", "ulysses"] += row * n + row * (n + 2 * n_kv)
     return +fwd, +bwd

@@ -20,7 +20,7 @@ from megatron_patches import block, hybrid
 from megatron_patches.backward import backward_kv, backward_q, row_dot
 from megatron_patches.checks import BACKWARDS, check_inputs, default_scale
 from megatron_patches.groups import wallfacer_groups
-from megatron_patches.layout import LAYOUTS, Layout
+from megatron_patches.layout import Layout, team_size_error
 from megatron_patches.steps import Run, attend, bhsd, by_member
 from megatron_patches.team import gather_team, reduce_team
 from megatron_patches.volume import Shard, choose_backward
@@ -73,7 +73,8 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
             over the P/U groups, on U·s rows and h/U heads. U must divide P and h; g must be a
             multiple of U or divide it. ``order`` then permutes the P/U groups.
         check: all-gather a few integers of metadata first so that bad or mismatched inputs raise
-            the same ValueError on every rank (checks.py; hybrid.check_hybrid for U and C).
+            the same ValueError on every rank (checks.py for shapes, dtypes, C, causal, layout and
+            scale; :func:`check_settings` for U, C, backward and team_qkv).
         deterministic: bitwise reproducible gradients (flash-attn's deterministic backward,
             block.py); Megatron's ``deterministic_mode``.
 
@@ -81,25 +82,25 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
         ``[s_local, b, h, d]`` in q's dtype. Online-softmax state and gradient accumulators are
         fp32 (fp64 for fp64 inputs); fp16, bf16, fp32 and fp64 inputs are supported.
     """
-    if not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool) or ulysses_size < 1:
-        raise ValueError(f"ulysses_size={ulysses_size!r} must be an int >= 1")
+    bad_u = not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool) or ulysses_size < 1
+    bad_u = f"ulysses_size={ulysses_size!r} must be an int >= 1" if bad_u else None
+    if check:  # the same two all-gathers on every rank, whatever U it was given (the order permutes the
+        # P/U groups when U > 1: the inner call uses it, so it is compared here only for U = 1)
+        check_inputs(q, k, v, group, team_size, causal, softmax_scale, layout, backward=backward,
+                     kernel=kernel, order=order if ulysses_size == 1 else None, deterministic=deterministic,
+                     error=bad_u)
+        check_settings(group, ulysses_size, team_size, backward, team_qkv, q.shape[2], k.shape[2])
+    elif bad_u:
+        raise ValueError(bad_u)
+    if backward not in BACKWARDS:  # with check=False
+        raise ValueError(f"backward={backward!r} is not one of {BACKWARDS}")
     if ulysses_size > 1:
-        if check:  # the order permutes the inner (P/U) ring: checked there, not over the whole group
-            check_inputs(q, k, v, group, 1, causal, softmax_scale, layout, backward=backward, kernel=kernel,
-                         deterministic=deterministic)
-            hybrid.check_hybrid(group, ulysses_size, team_size, LAYOUTS.index(layout), q.shape[2], k.shape[2])
-
         def inner(qh, kh, vh, outer):
             return wallfacer_attention(qh, kh, vh, outer, team_size, causal, softmax_scale, layout,
                                        order=order, kernel=kernel, backward=backward, team_qkv=team_qkv,
                                        check=False, deterministic=deterministic)
 
         return hybrid.ulysses_wallfacer(q, k, v, group, ulysses_size, layout, inner)
-    if check:
-        check_inputs(q, k, v, group, team_size, causal, softmax_scale, layout, backward=backward,
-                     kernel=kernel, order=order, deterministic=deterministic)
-    if backward not in BACKWARDS:  # with check=False
-        raise ValueError(f"backward={backward!r} is not one of {BACKWARDS}")
     keep = resolve_team_qkv(team_qkv, team_size) == "keep"
     scale = default_scale(q.shape[3]) if softmax_scale is None else float(softmax_scale)
     kern = block.select_kernel(kernel, q.device, q.dtype, deterministic, head_dim=q.shape[3])
@@ -112,6 +113,35 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     mode = choose_backward(lay, sh) if backward == "auto" else backward
     run = Run(groups, kern, scale, bool(causal), mode, keep)
     return _WallFacer.apply(q, k, v, run)
+
+
+def check_settings(group, ulysses_size: int, team_size: int, backward: str, team_qkv: str, heads: int,
+                   kv_heads: int) -> None:
+    """Raise the same ValueError on every rank of ``group`` when the ranks disagree on the settings
+    that decide which collectives run (U, C, the backward variant, team_qkv: a rank running ring
+    attention while the others enter the hybrid's all-to-all would hang them), naming each one and
+    every rank's value (comm.check_agree: one all-gather of 5 int64 per rank); then, all agreeing,
+    when U and C break the hybrid's rules (decided alike everywhere, no further traffic).
+    The shapes (so the heads), causal, layout and scale were agreed by checks.check_inputs.
+    """
+    codes = f"backward {dict(enumerate(BACKWARDS))}, team_qkv {dict(enumerate(TEAM_QKV))}, -1 unknown"
+    comm.check_agree(group, f"wallfacer_attention (codes: {codes})", ulysses_size=ulysses_size,
+                     team_size=team_size, backward=_code(backward, BACKWARDS),
+                     team_qkv=_code(team_qkv, TEAM_QKV))
+    if team_qkv not in TEAM_QKV:  # every rank passed the same unknown value
+        raise ValueError(f"wallfacer_attention: team_qkv={team_qkv!r} is not one of {TEAM_QKV}")
+    world, u = comm.size(group), ulysses_size
+    if u > 1:
+        error = hybrid.ulysses_error(world, u, heads, kv_heads)
+        if error is None and team_size_error(world // u, team_size):
+            error = f"{team_size_error(world // u, team_size)} (WallFacer runs over P/U = {world // u} " \
+                    f"groups)"
+        if error:
+            raise ValueError(f"wallfacer_attention: {error}")
+
+
+def _code(value, allowed: tuple) -> int:
+    return allowed.index(value) if value in allowed else -1
 
 
 class _WallFacer(torch.autograd.Function):

@@ -142,7 +142,8 @@ BAD = {
                 "divide U",
     "team_size": "team_size C=2 is invalid for P=2 ranks: C² must divide P (valid: 1) (WallFacer runs over "
                  "P/U = 2 groups)",
-    "u_on_one_rank": "ranks disagree on (ulysses_size, team_size, layout)",
+    "u_on_one_rank": "the ranks of group world must agree on ulysses_size, got ulysses_size: rank 0=2, "
+                     "rank 1=2, rank 2=2, rank 3=2, rank 4=2, rank 5=4, rank 6=2, rank 7=2",
 }
 
 
@@ -197,9 +198,9 @@ def test_megatron_lm_arguments():
 
     cfg = WallFacerConfig.from_args(_parse(BASE + " --wallfacer-ulysses-size 2 --wallfacer-team-size 2"
                                            " --wallfacer-team-qkv keep"))
-    assert (cfg.ulysses_size, cfg.ulysses, cfg.team_size, cfg.team_qkv) == (2, 2, 2, "keep")
+    assert (cfg.ulysses_size, cfg.team_size, cfg.team_qkv) == (2, 2, "keep")
     auto = WallFacerConfig.from_args(_parse(BASE + " --wallfacer-ulysses-size auto"))
-    assert (auto.ulysses_size, auto.ulysses, auto.team_qkv) == ("auto", 1, "auto")
+    assert (auto.ulysses_size, auto.team_qkv) == ("auto", "auto")
     for line, want in ((" --wallfacer-ulysses-size 3", "ulysses_size U=3 must divide the P=8"),
                        (" --wallfacer-ulysses-size 4 --wallfacer-team-size 2",
                         "team_size C=2 is invalid for P=2 ranks"),

@@ -63,6 +63,12 @@ class Plan:
     wan_links: tuple[tuple[str, str, float, float], ...] = ()   # (dc a, dc b, rtt s, bytes/s) crossed
 
     @property
+    def wan_flows(self) -> int:
+        """TCP flows one boundary transfer puts on a WAN link: each of the stage's tp ranks sends its
+        slice over ``connections`` connections (what the socket buffers must be sized for)."""
+        return self.connections * self.tp
+
+    @property
     def world_size(self) -> int:
         return self.pp * self.tp * self.dp
 

@@ -133,7 +133,7 @@ def cli(argv: list[str] | None = None) -> int:
     print(render(plan, topo, model))
     print(table(model, atlas, others, across))
     links = [topo.link(plan.stage_dc[s], plan.stage_dc[s + 1]) for s in plan.wan_boundaries()]
-    advice = tcp_advice(links, plan.connections * plan.tp)
+    advice = tcp_advice(links, plan.wan_flows)
     if advice:
         print(f"warning: this machine's TCP settings (reported only: the plan assumes a window of "
               f"{DEFAULT_WINDOW / 2**20:g} MiB per WAN connection, or the topology's window_mb, on the "

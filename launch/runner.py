@@ -187,7 +187,7 @@ def prepare(argv: list[str], environ: Mapping[str, str] | None = None) -> Launch
                             for h in plan.hosts)
     hostfile = args.atlas_hostfile or ""
     return Launch(plan, render(plan, topo, model), head + extra + ["--hostfile", hostfile] + argv[script_at:],
-                  env, hostfile, tcp_advice(links, plan.connections), node, launcher=launcher,
+                  env, hostfile, tcp_advice(links, plan.wan_flows), node, launcher=launcher,
                   hostfile_text=hostfile_text, launcher_args=launcher_args, dry_run=args.dry_run)
 
 

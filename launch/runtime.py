@@ -328,4 +328,4 @@ def _my_host(plan: Plan, launcher: str | None) -> tuple[str | None, int | None]:
 
 
 def _advice(plan: Plan) -> list[str]:
-    return tcp_advice([WanLink(*w) for w in plan.wan_links], plan.connections)
+    return tcp_advice([WanLink(*w) for w in plan.wan_links], plan.wan_flows)

@@ -163,3 +163,19 @@ def test_megatron_config_names_every_group_that_crosses_the_wan(env, plan, tmp_p
     source = inspect.getsource(parallel_state.initialize_model_parallel)
     for name in config:
         assert f'get_nccl_options("{name}", nccl_comm_cfgs)' in source, name
+
+
+def test_tcp_advice_counts_every_flow_of_a_boundary_transfer():
+    """With tp > 1 each of the stage's tp ranks sends its slice over k connections: the buffer advice is
+    for tp·k flows on the link, as the planner's CLI prints it."""
+    from launch.sockets import WINDOW_FRACTION, tcp_advice
+    from launch.topology import WanLink
+
+    model = ModelSpec(layers=4, hidden=16, seq=8, global_batch=8, pp=2, tp=2, dp=1)
+    tp2 = make_plan(topology.parse(RAW, source="t"), model, connections=4, window=2**20)
+    assert (tp2.tp, tp2.connections, tp2.wan_flows) == (2, 4, 8)
+    sysctls = {"net.ipv4.tcp_rmem": "4096 131072 1024", "net.ipv4.tcp_wmem": "4096 16384 1024"}
+    links = [WanLink(*w) for w in tp2.wan_links]
+    assert runtime._advice(tp2) == tcp_advice(links, 8) != tcp_advice(links, 4)
+    need = [int(line.split(" need ")[1].split()[0]) for line in tcp_advice(links, 8, read=sysctls.get)]
+    assert need and all(n == int(links[0].bdp / 8 / WINDOW_FRACTION) for n in need)

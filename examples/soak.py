@@ -1,5 +1,5 @@
-"""Soak: the main job with ranks killed at random and restarted from its last checkpoint, against an
-undisturbed run of the same job.
+"""Soak: a training job (examples/train_moe.py by default) with ranks killed at random and restarted from
+its last checkpoint, against an undisturbed run of the same job.
 
     python -m examples.soak --minutes 30                    # examples/train_moe.py, 4 CPU ranks
     python -m examples.soak --job examples/train_gpt.py --minutes 30 -- <the job's own arguments>

@@ -1,5 +1,6 @@
-"""The soak (issue 14, item 5): the main job for 30 minutes with ranks killed at random (SIGKILL) and the job
-restarted from its last checkpoint each time, ending within a stated tolerance of an undisturbed run.
+"""The soak (issue 14, item 5): a training job (examples/train_moe.py, Parm's MoE job) for 30 minutes with
+ranks killed at random (SIGKILL) and the job restarted from its last checkpoint each time, ending within a
+stated tolerance of an undisturbed run.
 
 Off by default (it takes 30 minutes and then the undisturbed run); run it with
 

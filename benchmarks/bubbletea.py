@@ -5,7 +5,8 @@
 A DeepSpeed pipeline (2 stages x 2 data-parallel replicas, gloo, one intra-op thread per rank, the
 training of examples/bubbletea_pipeline.py) with an emulated one-way WAN latency on every pipeline
 transfer (``--wan-ms``: its stages wait on the WAN as across data centers). Each rank keeps
-``--outstanding`` prompts queued for its own copy of a small causal LM.
+``--outstanding`` prompts queued for its own copy of a small causal LM (0: the windows open with nothing
+to prefill, which prices the window signalling and the service's wake-ups alone).
 
 In one process tree, after ``--warmup`` iterations:
 - ``--pairs`` cycles of three iterations, in rotating order: *stock* (DeepSpeed's own PipelineEngine
@@ -88,7 +89,7 @@ def bench_rank(cfg: dict) -> dict:
     # steady: at least --steady iterations, more (up to 10x) until every rank finished 3 prompts
     # submitted in this phase, so that their time to first token is measured
     t_steady, n, finished = time.perf_counter(), 0, torch.zeros(1)
-    while n < cfg["steady"] or (finished.item() < 3 and n < 10 * cfg["steady"]):
+    while n < cfg["steady"] or (cfg["outstanding"] and finished.item() < 3 and n < 10 * cfg["steady"]):
         walls["on"].append(run("on"))
         n += 1
         finished[0] = sum(r.submitted >= t_steady for r in list(loop.results))
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--guard-ms", type=float, default=1.0)
-    ap.add_argument("--outstanding", type=int, default=2)
+    ap.add_argument("--outstanding", type=int, default=2,
+                    help="prompts kept queued per rank; 0: windows open, nothing to prefill")
     ap.add_argument("--history", type=int, default=5)
     ap.add_argument("--nice", type=int, default=0,
                     help="nice of the training threads (negative needs root: a stand-in for dedicated hosts "
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     cfg = {k: v for k, v in vars(args).items()}
     for k in ("pairs", "warmup", "steady", "outstanding", "history"):
-        if cfg[k] < (1 if k in ("pairs", "outstanding", "history") else 0):
+        if cfg[k] < (1 if k in ("pairs", "history") else 0):
             raise SystemExit(f"--{k.replace('_', '-')}={cfg[k]} is too small")
     load = " ".join(f"{v:.2f}" for v in os.getloadavg())
     with World(4, timeout=3600, env={"COMMWEAVE_RANK_THREADS": "1"}) as world:

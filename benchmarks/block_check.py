@@ -37,14 +37,16 @@ def default_kernels(device: str) -> dict:
             "reference": (ReferenceKernel(), ("bf16", "fp32"))}
 
 
-def _naive(q, k, v, scale, causal):
-    """Autograd attention in the inputs' dtype (the error baseline)."""
+def naive(q, k, v, scale, causal):
+    """Autograd attention in the inputs' dtype (the error baseline): O and the fp32 (fp64 for fp64 inputs)
+    logsumexp; [b, h, s, d], K/V heads repeated for GQA."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return torch.matmul(torch.softmax(s, -1), v)
+    lse = torch.logsumexp(s if s.dtype == torch.float64 else s.float(), -1)
+    return torch.matmul(torch.softmax(s, -1), v), lse
 
 
 def _strided(rows: int, b: int, heads: int, d: int, dtype, device, gen) -> torch.Tensor:
@@ -65,7 +67,7 @@ def case(kernel, dtype, device, causal: bool, hq: int, hkv: int, s: int = 256, b
     o64, lse64 = ref.forward(*exact[:3], scale, causal)
     want = (o64, lse64, *ref.backward(exact[3], *exact[:3], o64, lse64, scale, causal))
     ins = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    o_naive = _naive(*ins, scale, causal)
+    o_naive, _ = naive(*ins, scale, causal)
     o_naive.backward(do)
     base = (o_naive, None, *(x.grad for x in ins))
     o, lse = kernel.forward(q, k, v, scale, causal)

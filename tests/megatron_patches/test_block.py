@@ -4,21 +4,11 @@ the ring relies on, low precision by flash-attn's rule, and the same on a GPU (`
 import pytest
 import torch
 
+from benchmarks.block_check import naive
 from megatron_patches.block import ReferenceKernel, SdpaKernel, select_kernel
 from megatron_patches.steps import _merge
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def naive(q, k, v, scale, causal):
-    """Autograd-able attention in the inputs' dtype; [b, h, s, d], K/V heads repeated for GQA."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    lse = torch.logsumexp(s if s.dtype == torch.float64 else s.float(), -1)
-    return torch.matmul(torch.softmax(s, -1), v), lse
 
 
 def _inputs(b, h, g, s, t, d, dtype, device="cpu"):

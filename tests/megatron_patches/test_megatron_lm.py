@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from launch.runner import _drop_option
+
 REPO = Path(__file__).resolve().parents[2]
 ROOT = os.environ.get("MEGATRON_LM_PATH")
 
@@ -60,18 +62,6 @@ def _losses(out: str) -> list[float]:
     return [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", out)]
 
 
-def _without(args: list[str], *flags: str) -> list[str]:
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-        elif a in flags:
-            skip = True
-        else:
-            out.append(a)
-    return out
-
-
 @pytest.mark.parametrize("extra", [[], ["--qk-layernorm"]], ids=["readme", "qk-layernorm"])
 def test_readme_command_trains_like_stock_megatron_lm(tmp_path, extra):
     """Loss equal to stock Megatron-LM's, iteration by iteration; with --qk-layernorm too, which a spec
@@ -85,7 +75,7 @@ def test_readme_command_trains_like_stock_megatron_lm(tmp_path, extra):
     assert "WallFacerAttention is the core attention of 2 layers (team size 2)" in log, log[-4000:]
     ours = _losses(log)
     assert len(ours) == 3, log[-3000:]
-    stock_args = _without(args, "--context-parallel-size", "--wallfacer-team-size") + CPU_FLAGS + extra
+    stock_args = _drop_option(args, "--context-parallel-size", "--wallfacer-team-size") + CPU_FLAGS + extra
     stock = _run(["--stock", *stock_args], 1, port + 1, env, tmp_path)
     assert stock.returncode == 0, (stock.stdout + stock.stderr)[-4000:]
     want = _losses(stock.stdout + stock.stderr)
@@ -94,7 +84,7 @@ def test_readme_command_trains_like_stock_megatron_lm(tmp_path, extra):
 
 def test_attention_dropout_is_refused_naming_the_argument(tmp_path):
     env, nproc, args = readme_command()
-    args = _without(args, "--attention-dropout") + CPU_FLAGS + ["--attention-dropout", "0.1"]
+    args = _drop_option(args, "--attention-dropout") + CPU_FLAGS + ["--attention-dropout", "0.1"]
     run = _run(args, nproc, 29751, env, tmp_path)
     assert run.returncode != 0
     want = "--attention-dropout 0.1: WallFacer has no attention dropout; set --attention-dropout 0"

@@ -73,8 +73,8 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
             over the P/U groups, on U·s rows and h/U heads. U must divide P and h; g must be a
             multiple of U or divide it. ``order`` then permutes the P/U groups.
         check: all-gather a few integers of metadata first so that bad or mismatched inputs raise
-            the same ValueError on every rank (checks.py for shapes, dtypes, C, causal, layout and
-            scale; :func:`check_settings` for U, C, backward and team_qkv).
+            the same ValueError on every rank (checks.py for shapes, dtypes, C, causal, layout,
+            scale, the backward variant and the order; :func:`check_settings` for U and team_qkv).
         deterministic: bitwise reproducible gradients (flash-attn's deterministic backward,
             block.py); Megatron's ``deterministic_mode``.
 
@@ -89,7 +89,7 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
         check_inputs(q, k, v, group, team_size, causal, softmax_scale, layout, backward=backward,
                      kernel=kernel, order=order if ulysses_size == 1 else None, deterministic=deterministic,
                      error=bad_u)
-        check_settings(group, ulysses_size, team_size, backward, team_qkv, q.shape[2], k.shape[2])
+        check_settings(group, ulysses_size, team_size, team_qkv, q.shape[2], k.shape[2])
     elif bad_u:
         raise ValueError(bad_u)
     if backward not in BACKWARDS:  # with check=False
@@ -115,19 +115,19 @@ def wallfacer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     return _WallFacer.apply(q, k, v, run)
 
 
-def check_settings(group, ulysses_size: int, team_size: int, backward: str, team_qkv: str, heads: int,
+def check_settings(group, ulysses_size: int, team_size: int, team_qkv: str, heads: int,
                    kv_heads: int) -> None:
     """Raise the same ValueError on every rank of ``group`` when the ranks disagree on the settings
-    that decide which collectives run (U, C, the backward variant, team_qkv: a rank running ring
-    attention while the others enter the hybrid's all-to-all would hang them), naming each one and
-    every rank's value (comm.check_agree: one all-gather of 5 int64 per rank); then, all agreeing,
-    when U and C break the hybrid's rules (decided alike everywhere, no further traffic).
-    The shapes (so the heads), causal, layout and scale were agreed by checks.check_inputs.
+    that decide which collectives run and that checks.check_inputs does not compare (U and team_qkv: a
+    rank running ring attention while the others enter the hybrid's all-to-all would hang them), naming
+    each one and every rank's value (comm.check_agree: one all-gather of 3 int64 per rank); then, all
+    agreeing, when U and C break the hybrid's rules (decided alike everywhere, no further traffic).
+    The shapes (so the heads), C, the backward variant, causal, layout and scale were agreed by
+    checks.check_inputs.
     """
-    codes = f"backward {dict(enumerate(BACKWARDS))}, team_qkv {dict(enumerate(TEAM_QKV))}, -1 unknown"
+    codes = f"team_qkv {dict(enumerate(TEAM_QKV))}, -1 unknown"
     comm.check_agree(group, f"wallfacer_attention (codes: {codes})", ulysses_size=ulysses_size,
-                     team_size=team_size, backward=_code(backward, BACKWARDS),
-                     team_qkv=_code(team_qkv, TEAM_QKV))
+                     team_qkv=TEAM_QKV.index(team_qkv) if team_qkv in TEAM_QKV else -1)
     if team_qkv not in TEAM_QKV:  # every rank passed the same unknown value
         raise ValueError(f"wallfacer_attention: team_qkv={team_qkv!r} is not one of {TEAM_QKV}")
     world, u = comm.size(group), ulysses_size
@@ -138,10 +138,6 @@ def check_settings(group, ulysses_size: int, team_size: int, backward: str, team
                     f"groups)"
         if error:
             raise ValueError(f"wallfacer_attention: {error}")
-
-
-def _code(value, allowed: tuple) -> int:
-    return allowed.index(value) if value in allowed else -1
 
 
 class _WallFacer(torch.autograd.Function):

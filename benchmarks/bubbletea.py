@@ -1,18 +1,29 @@
-"""BubbleTea on 4 CPU ranks: training step time with and without prefill in the bubbles, side by side.
+"""BubbleTea on CPU ranks: training step time with and without prefill in the bubbles, side by side.
 
-    python -m benchmarks.bubbletea [--wan-ms 10] [--pairs 12] [--steady 12] [--hidden 512] ...
+    python -m benchmarks.bubbletea [--wan-ms 10] [--pairs 12] [--replicas R] [--bind auto|on|off] ...
 
-A DeepSpeed pipeline (2 stages x 2 data-parallel replicas, gloo, one intra-op thread per rank, the
-training of examples/bubbletea_pipeline.py) with an emulated one-way WAN latency on every pipeline
-transfer (``--wan-ms``: its stages wait on the WAN as across data centers). Each rank keeps
+A DeepSpeed pipeline (2 stages x ``--replicas`` data-parallel replicas, gloo, one intra-op thread per
+rank, the training of examples/bubbletea_pipeline.py) with an emulated one-way WAN latency on every
+pipeline transfer (``--wan-ms``: its stages wait on the WAN as across data centers). Each rank keeps
 ``--outstanding`` prompts queued for its own copy of a small causal LM (0: the windows open with nothing
 to prefill, which prices the window signalling and the service's wake-ups alone).
 
+Each rank stands for a GPU, and BubbleTea's premise is that a rank's bubble is idle hardware. ``--bind``
+gives every rank (and the prefill service it starts, which inherits the mask) its own share of the cores,
+as ``deepspeed --bind_cores_to_rank`` does: then a bubble is this rank's cores idling, and the service
+can only use those. With more ranks than cores (``--bind off``, e.g. 2 replicas on 2 cores) a rank's
+bubble is mostly the other stage's compute on the same cores, so the prefill competes with training for
+them (at SCHED_IDLE priority; still a few percent): that measures the CPU's oversubscription, not
+BubbleTea. Default replicas: 2 where there are 4 or more cores, else 1 (one rank per core).
+
 In one process tree, after ``--warmup`` iterations:
-- ``--pairs`` cycles of three iterations, in rotating order: *stock* (DeepSpeed's own PipelineEngine
-  class, no BubbleTea code on the path), *on* (BubbleTea prefilling), *profile* (BubbleTea's tracing
-  without prefill: what the windows are measured from). The slowdown is the median over cycles of
-  on / stock step time (rank 0's ``train_batch`` wall time; every rank's is within the noise of it);
+- ``--pairs`` cycles of three iterations: *stock* (DeepSpeed's own PipelineEngine class, no BubbleTea
+  code on the path), *on* (BubbleTea prefilling), *profile* (BubbleTea's tracing without prefill: what
+  the windows are measured from). Cycle i runs the arms in the (i mod 6)-th of their 6 orders, so over
+  6 cycles every arm holds every place and every arm follows every other equally often (a chunk still
+  running when an *on* iteration ends falls on stock and profile alike). The slowdown is the median
+  over cycles of on / stock step time (rank 0's ``train_batch`` wall time; every rank's is within the
+  noise of it);
 - ``--steady`` iterations (or more, up to 10x, until every rank finished 3 prompts submitted in this
   phase) with BubbleTea on: time to first token of the prompts submitted and finished there.
 
@@ -25,6 +36,7 @@ figures taken on a busy 2-core machine are not worth much.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -43,6 +55,20 @@ def _renice_threads(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, int(tid), nice)
 
 
+def _bind_threads(cpus: list[int]) -> None:
+    """Every thread of this rank to ``cpus``; threads and processes started later inherit the mask."""
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
+def core_shares(cpus: list[int], ranks: int) -> list[list[int]]:
+    """``deepspeed --bind_cores_to_rank``'s split: rank r gets the r-th run of len(cpus) // ranks cores."""
+    k = len(cpus) // ranks
+    if k < 1:
+        raise ValueError(f"--bind on: {ranks} ranks cannot each have a core of {len(cpus)} ({cpus})")
+    return [cpus[r * k:(r + 1) * k] for r in range(ranks)]
+
+
 def bench_rank(cfg: dict) -> dict:
     """One rank's part: build, warm up, run the cycles and the steady phase, return its measurements."""
     import torch
@@ -54,6 +80,8 @@ def bench_rank(cfg: dict) -> dict:
     from launch.bubbletea import LMConfig, PrefillServer
     from launch.bubbletea.engine import BubbleTeaPipelineEngine, enable
 
+    if cfg["cores"]:
+        _bind_threads(cfg["cores"][dist.get_rank()])
     engine = build_engine(cfg["hidden"], cfg["layers"], cfg["micro_batches"], cfg["batch"])
     wan = emulate_wan_latency(cfg["wan_ms"] / 1e3)
     lm = LMConfig(hidden=cfg["lm_hidden"], layers=cfg["lm_layers"], max_seq=cfg["prompt"])
@@ -80,11 +108,10 @@ def bench_rank(cfg: dict) -> dict:
 
     for _ in range(cfg["warmup"]):
         run("profile")
-    arms = ("stock", "on", "profile")
-    walls = {a: [] for a in arms}
+    orders = list(itertools.permutations(("stock", "on", "profile")))
+    walls = {a: [] for a in orders[0]}
     for i in range(cfg["pairs"]):
-        for k in range(3):
-            arm = arms[(i + k) % 3]
+        for arm in orders[i % len(orders)]:
             walls[arm].append(run(arm))
     # steady: at least --steady iterations, more (up to 10x) until every rank finished 3 prompts
     # submitted in this phase, so that their time to first token is measured
@@ -133,14 +160,18 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
     tok_s = sum(r["tokens_per_s"] for r in ranks)
     ttft = sorted(t for r in ranks for t in r["ttft"])
     p90 = ttft[int(0.9 * (len(ttft) - 1))] if ttft else float("nan")
-    print(f"BubbleTea, 4 CPU ranks (2 stages x 2 replicas), emulated WAN {cfg['wan_ms']:g} ms one way; "
+    binding = (f"each bound to its own {len(cfg['cores'][0])} core(s) with its prefill service"
+               if cfg["cores"] else f"unbound, on {cfg['cpus']} cores")
+    replicas = f"{len(ranks) // 2} replica{'s' * (len(ranks) > 2)}"
+    print(f"BubbleTea, {len(ranks)} CPU ranks (2 stages x {replicas}, {binding}), "
+          f"emulated WAN {cfg['wan_ms']:g} ms one way; "
           f"training {cfg['layers']} x Linear({cfg['hidden']}) + Tanh, {cfg['micro_batches']} micro-batches "
           f"of {cfg['batch']}; prefill LM hidden {cfg['lm_hidden']} x {cfg['lm_layers']} layers, prompts of "
           f"{cfg['prompt']} tokens in chunks of {cfg['chunk']}, {cfg['outstanding']} queued per rank, "
           f"guard {cfg['guard_ms']:g} ms; nice: training {cfg['nice']}, prefill {cfg['prefill_nice']}"
           + (" + SCHED_IDLE" if cfg["prefill_idle"] else ""))
     print(f"load average before {load_before}, after {load_after}; {cfg['pairs']} cycles "
-          f"(stock / on / profile, rotating), {r0['steady_iterations']} steady iterations")
+          f"(stock / on / profile, in their 6 orders in turn), {r0['steady_iterations']} steady iterations")
     print()
     print("| | step time (median, s) | GPU utilisation | prefill tokens/s | TTFT median / p90 (s) |")
     print("|---|---|---|---|---|")
@@ -159,7 +190,8 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
         f"{r['chunks']} chunks "
         f"(planned, not started: {r['skipped']} too long for the rest of their window, {r['closed']} after "
         f"an early close), windows (instr, ms) {r['windows']}" for r in ranks))
-    summary = {"slowdown": _median(ratios) - 1, "slowdown_per_rank": [x - 1 for x in per_rank_ratio],
+    summary = {"ranks": len(ranks), "bound": bool(cfg["cores"]),
+               "slowdown": _median(ratios) - 1, "slowdown_per_rank": [x - 1 for x in per_rank_ratio],
                "tracing_overhead": _median(control) - 1,
                "step_s_stock": stock, "step_s_bubbletea": on, "step_s_tracing": prof,
                "utilisation": util_off, "utilisation_bubbletea": util_on, "prefill_tokens_per_s": tok_s,
@@ -181,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--guard-ms", type=float, default=1.0)
-    ap.add_argument("--outstanding", type=int, default=2,
+    ap.add_argument("--outstanding", type=int, default=8,
                     help="prompts kept queued per rank; 0: windows open, nothing to prefill")
     ap.add_argument("--history", type=int, default=5)
     ap.add_argument("--nice", type=int, default=0,
@@ -190,6 +222,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill-nice", type=int, default=19, help="nice of the prefill service")
     ap.add_argument("--prefill-idle", type=int, choices=(0, 1), default=1,
                     help="1: the prefill service runs under SCHED_IDLE (default); 0: nice alone")
+    ap.add_argument("--replicas", type=int, default=None,
+                    help="data-parallel replicas of the 2-stage pipeline (default: 2 with 4+ cores, else 1)")
+    ap.add_argument("--bind", choices=("auto", "on", "off"), default="auto",
+                    help="each rank and its prefill service on its own cores (auto: when there are enough)")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--pairs", type=int, default=12)
     ap.add_argument("--steady", type=int, default=12)
@@ -198,8 +234,19 @@ def main(argv: list[str] | None = None) -> None:
     for k in ("pairs", "warmup", "steady", "outstanding", "history"):
         if cfg[k] < (1 if k in ("pairs", "history") else 0):
             raise SystemExit(f"--{k.replace('_', '-')}={cfg[k]} is too small")
+    cpus = sorted(os.sched_getaffinity(0))
+    if cfg["replicas"] is None:
+        cfg["replicas"] = 2 if len(cpus) >= 4 else 1
+    if cfg["replicas"] < 1:
+        raise SystemExit(f"--replicas={cfg['replicas']} is too small")
+    n = 2 * cfg["replicas"]
+    bind = cfg.pop("bind")
+    if bind == "on" and n > len(cpus):
+        raise SystemExit(f"--bind on: {n} ranks need at least {n} cores, this process may use {len(cpus)}")
+    cfg["cpus"] = len(cpus)
+    cfg["cores"] = core_shares(cpus, n) if bind == "on" or (bind == "auto" and n <= len(cpus)) else None
     load = " ".join(f"{v:.2f}" for v in os.getloadavg())
-    with World(4, timeout=3600, env={"COMMWEAVE_RANK_THREADS": "1"}) as world:
+    with World(n, timeout=3600, env={"COMMWEAVE_RANK_THREADS": "1"}) as world:
         ranks = world.run(bench_rank, cfg)
     report(cfg, ranks, load, " ".join(f"{v:.2f}" for v in os.getloadavg()))
 

@@ -27,10 +27,13 @@ other stage by as much as it prefills; posting the transfer first and prefilling
 peer's timing, and an early arrival closes the window at once. Why a process and not a thread: a
 low-priority thread shares the rank's GIL, and one descheduled while it holds the GIL stalls the
 training thread just when its transfer returns (see :mod:`.service`). The service runs under Linux's
-SCHED_IDLE policy (and nice 19), the CPU's version of a low-priority stream: on an oversubscribed CPU
-(4 ranks on 2 cores here) a training thread that becomes runnable takes the core from any rank's
-prefill at once. Training ops are never moved or
-changed: the engine runs DeepSpeed's own schedule and instructions.
+SCHED_IDLE policy (and nice 19), the CPU's version of a low-priority stream: a training thread that
+becomes runnable takes the core from the prefill at once. It inherits the rank's CPU affinity: with
+cores bound to ranks (``deepspeed --bind_cores_to_rank``) a rank's bubble is its own cores idling, as a
+GPU's is; unbound on a machine with more ranks than cores, a rank's bubble is another rank's compute
+time on the same cores, and the prefill there costs that rank a few percent of its step
+(:mod:`benchmarks.bubbletea` measures both). Training ops are never moved or changed: the engine runs
+DeepSpeed's own schedule and instructions.
 
 **One model per rank, not one inference stage per training stage.** The paper's design card suggests
 splitting the inference model into a pipeline over the training stages (atlas.md §1.8 step 2). We keep

@@ -19,6 +19,12 @@ store into a shared word and one small pipe message; nothing here holds a lock t
   queued, and so does every later chunk of its request. A started chunk runs to its end
   (non-preemptive, like a GPU kernel; chunks are short next to their windows).
 
+Where the service runs: on the CPUs the rank may use (it inherits the rank's affinity mask), or on
+``cpus``. Bind cores to ranks (``deepspeed --bind_cores_to_rank``) so that a rank's bubble is its own
+cores idling: a service free to run on every core of a machine shared by several ranks also runs in the
+other ranks' compute time, at SCHED_IDLE priority but still a few percent of their step (measured in
+``benchmarks.bubbletea``); the server warns when it sees that.
+
 The cost of a chunk of c tokens into a cache of T is ``a + b·c + e·c·T``, fitted when the service starts
 and scaled by a running ratio of measured to predicted times, so a busier machine is seen within a few
 chunks.
@@ -33,8 +39,9 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -74,20 +81,43 @@ class Stats:
     ttft: list = field(default_factory=list)
 
 
+def shared_cores_warning(service_cpus: int, machine_cpus: int, local_ranks: int) -> str | None:
+    """The warning for a service that may run on more than its rank's share of the machine's cores."""
+    share = max(1, machine_cpus // max(1, local_ranks))
+    if local_ranks <= 1 or service_cpus <= share:
+        return None
+    return (f"BubbleTea: the prefill service may run on {service_cpus} of this machine's {machine_cpus} "
+            f"CPUs, which {local_ranks} ranks share ({share} each): it will also run while other ranks "
+            "compute and slow their steps. Bind cores to ranks (deepspeed --bind_cores_to_rank) or pass "
+            "PrefillServer(cpus=...) so that it uses this rank's idle time only.")
+
+
 class PrefillServer:
     def __init__(self, config: LMConfig | CausalLM, chunk_tokens: int,
                  callback: Callable[[PrefillResult], None], guard: float = 1e-3, nice: int = 19,
                  idle: bool = True, threads: int = 1, cost: tuple[float, float, float] | None = None,
-                 start_timeout: float = 300.0) -> None:
+                 start_timeout: float = 300.0, cpus: Iterable[int] | None = None) -> None:
         """``config``: the inference model (a :class:`CausalLM` sends its weights along); ``nice`` and
         ``idle`` (Linux ``SCHED_IDLE``): the service's CPU priority; ``cost``: a fixed ``(a, b, e)``
-        instead of timing the model."""
+        instead of timing the model; ``cpus``: the CPUs the service may run on (default: the rank's)."""
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ValueError(f"chunk_tokens={chunk_tokens!r}: a chunk holds at least one token")
         if not guard >= 0:
             raise ValueError(f"guard={guard}: the guard band cannot be negative")
         if not -20 <= nice <= 19:
             raise ValueError(f"nice={nice}: Linux nice values lie in -20..19")
+        allowed = os.sched_getaffinity(0)
+        if cpus is not None:
+            given = [cpus] if isinstance(cpus, (str, bytes, int)) else list(cpus)
+            if (not given or any(isinstance(c, bool) or not isinstance(c, int) for c in given)
+                    or not set(given) <= allowed):
+                raise ValueError(f"cpus={cpus!r}: must be a non-empty list of CPU numbers among this rank's "
+                                 f"{sorted(allowed)}")
+            cpus = sorted(set(given))
+        local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+        warning = shared_cores_warning(len(cpus or allowed), os.cpu_count() or 1, local)
+        if warning:
+            warnings.warn(warning, stacklevel=2)
         model = config if isinstance(config, CausalLM) else None
         self.config = model.cfg if model is not None else config
         self.chunk_tokens, self.callback, self.guard = chunk_tokens, callback, guard
@@ -114,7 +144,7 @@ class PrefillServer:
         self._to = Connection(to_child, readable=False)
         self._from = Connection(from_child, writable=False)
         send(self._to, "setup", {"config": self.config, "chunk_tokens": chunk_tokens, "guard": guard,
-                                 "nice": nice, "idle": idle, "threads": threads, "cost": cost,
+                                 "nice": nice, "idle": idle, "threads": threads, "cost": cost, "cpus": cpus,
                                  "state_dict": model.state_dict() if model is not None else None})
         deadline = time.monotonic() + start_timeout
         while not self._from.poll(0.5):

@@ -11,7 +11,7 @@ moment the other ranks compute and the cores are busy). Here the two share nothi
 shared memory.
 
 Messages in (pickled, over a pipe), one per line of the protocol:
-    ("setup", dict)                      config, weights, chunk size, guard, nice, idle, threads, cost
+    ("setup", dict)                      config, weights, chunk size, guard, nice, idle, threads, cost, cpus
     ("submit", id, tokens, t_submit)     queue a prompt
     ("windows", [(tag, start, length)])  pack the queue into the coming iteration's windows
     ("open", tag, seq)                   a window opened: run its chunks while the window word allows
@@ -157,7 +157,9 @@ def main(fds: list[int]) -> None:
     try:
         setup = recv(conn_in)[1]
         os.setpriority(os.PRIO_PROCESS, 0, setup["nice"])
-        if setup["idle"]:       # before torch starts threads: they inherit the policy
+        if setup["cpus"] is not None:       # before torch starts threads: they inherit mask and policy
+            os.sched_setaffinity(0, setup["cpus"])
+        if setup["idle"]:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         torch.set_num_threads(setup["threads"])
         service = Service(out, window, setup)

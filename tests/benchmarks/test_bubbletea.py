@@ -18,7 +18,7 @@ def _rank(rank, stock, on, profile, ttft):
 def test_report_pairs_the_arms(capsys):
     cfg = {"wan_ms": 10.0, "hidden": 8, "layers": 2, "micro_batches": 2, "batch": 2, "lm_hidden": 8,
            "lm_layers": 1, "prompt": 16, "chunk": 8, "guard_ms": 1.0, "outstanding": 1, "pairs": 3, "nice": 0,
-           "prefill_nice": 19, "prefill_idle": 1}
+           "prefill_nice": 19, "prefill_idle": 1, "cpus": 2, "cores": [[0], [1]]}
     # pairs: 1.00/1.00, 1.10/1.00 (a noisy pair), 0.98/1.00 -> median ratio 1.00; medians of the arms alone
     # would say otherwise if the pairs were not kept together
     ranks = [_rank(0, [1.0, 1.0, 1.0], [1.0, 1.1, 0.98], [1.02, 1.0, 1.0], [0.5, 0.7]),
@@ -33,3 +33,10 @@ def test_report_pairs_the_arms(capsys):
     assert summary["ttft_median_s"] == pytest.approx(0.6)
     assert summary["utilisation"] == pytest.approx(0.4)
     assert summary["utilisation_bubbletea"] == pytest.approx(0.7)
+
+
+def test_core_shares_split_like_bind_cores_to_rank():
+    assert bench.core_shares([0, 1, 2, 3, 4], 2) == [[0, 1], [2, 3]]
+    assert bench.core_shares([4, 6], 2) == [[4], [6]]
+    with pytest.raises(ValueError, match="4 ranks cannot each have a core of 2"):
+        bench.core_shares([0, 1], 4)

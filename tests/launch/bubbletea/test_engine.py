@@ -98,3 +98,13 @@ def test_enable_refuses_what_is_not_a_pipeline_engine():
         enable(torch.nn.Linear(2, 2), server=None)
     with pytest.raises(ValueError, match="history=0 must be an integer >= 1"):
         enable(torch.nn.Linear(2, 2), server=None, history=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only path of seed_rng")
+def test_seed_rng_seeds_like_torch_manual_seed_on_a_cpu_only_torch():
+    from examples.bubbletea_pipeline import seed_rng
+
+    seed_rng(123)
+    a = torch.rand(4), torch.randn(3)
+    torch.manual_seed(123)
+    assert all(torch.equal(x, y) for x, y in zip(a, (torch.rand(4), torch.randn(3)), strict=True))

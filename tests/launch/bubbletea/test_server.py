@@ -9,10 +9,11 @@ import torch
 
 from launch.bubbletea.model import CausalLM, LMConfig
 from launch.bubbletea.packer import Chunk
-from launch.bubbletea.server import PrefillServer
+from launch.bubbletea.server import PrefillServer, shared_cores_warning
 from launch.bubbletea.timeline import Window
 
 CFG = LMConfig(vocab=50, hidden=32, layers=1, heads=2, max_seq=64, seed=5)
+FIRST_CPU = min(os.sched_getaffinity(0))
 
 
 def _prompt(n, seed=0):
@@ -23,7 +24,8 @@ def _prompt(n, seed=0):
 def served():
     """One service for the module (a process start imports torch): (server, results list)."""
     got = []
-    server = PrefillServer(CFG, chunk_tokens=8, callback=got.append, guard=0.005, cost=(0.05, 0.0, 0.0))
+    server = PrefillServer(CFG, chunk_tokens=8, callback=got.append, guard=0.005, cost=(0.05, 0.0, 0.0),
+                           cpus=[FIRST_CPU])
     yield server, got
     server.stop()
 
@@ -33,6 +35,7 @@ def test_service_runs_apart_at_the_lowest_priority(served):
     assert server._proc.pid != os.getpid()
     assert os.getpriority(os.PRIO_PROCESS, server._proc.pid) == 19
     assert os.sched_getscheduler(server._proc.pid) == os.SCHED_IDLE
+    assert os.sched_getaffinity(server._proc.pid) == {FIRST_CPU}
     assert server.cost(Chunk(0, 0, 8, 64)) == pytest.approx(0.05)
 
 
@@ -80,10 +83,24 @@ def test_submit_checks_its_input(served):
     ({"chunk_tokens": 0}, "chunk_tokens=0: a chunk holds at least one token"),
     ({"guard": -1.0}, "guard=-1.0: the guard band cannot be negative"),
     ({"nice": 25}, r"nice=25: Linux nice values lie in -20\.\.19"),
+    ({"cpus": []}, r"cpus=\[\]: must be a non-empty list of CPU numbers among this rank's \[0"),
+    ({"cpus": [10_000]}, r"cpus=\[10000\]: must be a non-empty list of CPU numbers"),
+    ({"cpus": "0,1"}, r"cpus='0,1': must be a non-empty list of CPU numbers"),
+    ({"cpus": [True]}, r"cpus=\[True\]: must be a non-empty list of CPU numbers"),
 ])
 def test_bad_settings_are_refused_before_a_process_starts(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PrefillServer(CFG, **{"chunk_tokens": 8, "callback": print, **kwargs})
+
+
+def test_a_service_free_to_use_other_ranks_cores_is_warned_about():
+    assert shared_cores_warning(2, 2, 1) is None                # one rank: every core is its own
+    assert shared_cores_warning(1, 2, 2) is None                # bound: one core of two, two ranks
+    assert shared_cores_warning(4, 16, 4) is None
+    message = shared_cores_warning(2, 2, 4)                     # 4 ranks on 2 cores, unbound
+    assert "may run on 2 of this machine's 2 CPUs, which 4 ranks share (1 each)" in message
+    assert "--bind_cores_to_rank" in message and "cpus=" in message
+    assert "which 2 ranks share (8 each)" in shared_cores_warning(16, 16, 2)
 
 
 def test_measured_cost_model_and_a_failing_callback():

@@ -114,8 +114,9 @@ class PrefillServer:
                 raise ValueError(f"cpus={cpus!r}: must be a non-empty list of CPU numbers among this rank's "
                                  f"{sorted(allowed)}")
             cpus = sorted(set(given))
-        local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
-        warning = shared_cores_warning(len(cpus or allowed), os.cpu_count() or 1, local)
+        local = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1"   # launchers' count
+        warning = shared_cores_warning(len(cpus or allowed), os.cpu_count() or 1,
+                                       int(local) if local.isdigit() else 1)
         if warning:
             warnings.warn(warning, stacklevel=2)
         model = config if isinstance(config, CausalLM) else None

@@ -103,6 +103,14 @@ def test_a_service_free_to_use_other_ranks_cores_is_warned_about():
     assert "which 2 ranks share (8 each)" in shared_cores_warning(16, 16, 2)
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU is never more than a rank's share")
+def test_an_unbound_rank_among_several_is_warned(monkeypatch):
+    monkeypatch.setenv("LOCAL_SIZE", str(2 * (os.cpu_count() or 1)))      # more ranks than cores
+    with pytest.warns(UserWarning, match="Bind cores to ranks"):
+        server = PrefillServer(CFG, chunk_tokens=8, callback=print, cost=(0.01, 0.0, 0.0))
+    server.stop()
+
+
 def test_measured_cost_model_and_a_failing_callback():
     def boom(result):
         raise RuntimeError("decode service down")

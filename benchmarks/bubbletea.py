@@ -49,23 +49,18 @@ def _median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def _renice_threads(nice: int) -> None:
-    """Every thread of this rank (the training thread, gloo's and DeepSpeed's) to ``nice``."""
+def _each_thread(apply) -> None:
+    """``apply(tid)`` for every thread of this rank (the training thread, gloo's and DeepSpeed's);
+    threads and processes started later inherit nice and CPU mask from their creator."""
     for tid in os.listdir("/proc/self/task"):
-        os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-
-
-def _bind_threads(cpus: list[int]) -> None:
-    """Every thread of this rank to ``cpus``; threads and processes started later inherit the mask."""
-    for tid in os.listdir("/proc/self/task"):
-        os.sched_setaffinity(int(tid), cpus)
+        apply(int(tid))
 
 
 def core_shares(cpus: list[int], ranks: int) -> list[list[int]]:
     """``deepspeed --bind_cores_to_rank``'s split: rank r gets the r-th run of len(cpus) // ranks cores."""
     k = len(cpus) // ranks
     if k < 1:
-        raise ValueError(f"--bind on: {ranks} ranks cannot each have a core of {len(cpus)} ({cpus})")
+        raise ValueError(f"{ranks} ranks cannot each have a core of {len(cpus)} ({cpus})")
     return [cpus[r * k:(r + 1) * k] for r in range(ranks)]
 
 
@@ -81,7 +76,7 @@ def bench_rank(cfg: dict) -> dict:
     from launch.bubbletea.engine import BubbleTeaPipelineEngine, enable
 
     if cfg["cores"]:
-        _bind_threads(cfg["cores"][dist.get_rank()])
+        _each_thread(lambda tid: os.sched_setaffinity(tid, cfg["cores"][dist.get_rank()]))
     engine = build_engine(cfg["hidden"], cfg["layers"], cfg["micro_batches"], cfg["batch"])
     wan = emulate_wan_latency(cfg["wan_ms"] / 1e3)
     lm = LMConfig(hidden=cfg["lm_hidden"], layers=cfg["lm_layers"], max_seq=cfg["prompt"])
@@ -89,7 +84,7 @@ def bench_rank(cfg: dict) -> dict:
                            nice=cfg["prefill_nice"], idle=cfg["prefill_idle"])
     loop = ClosedLoop(server, cfg["outstanding"], cfg["prompt"], first_id=dist.get_rank() * 10**6)
     if cfg["nice"]:
-        _renice_threads(cfg["nice"])
+        _each_thread(lambda tid: os.setpriority(os.PRIO_PROCESS, tid, cfg["nice"]))
     bt = enable(engine, server, warmup=0, reprofile_every=0, history=cfg["history"])
     step = 0
 
@@ -240,11 +235,13 @@ def main(argv: list[str] | None = None) -> None:
     if cfg["replicas"] < 1:
         raise SystemExit(f"--replicas={cfg['replicas']} is too small")
     n = 2 * cfg["replicas"]
-    bind = cfg.pop("bind")
-    if bind == "on" and n > len(cpus):
-        raise SystemExit(f"--bind on: {n} ranks need at least {n} cores, this process may use {len(cpus)}")
-    cfg["cpus"] = len(cpus)
-    cfg["cores"] = core_shares(cpus, n) if bind == "on" or (bind == "auto" and n <= len(cpus)) else None
+    bind, cfg["cpus"], cfg["cores"] = cfg.pop("bind"), len(cpus), None
+    if bind != "off":
+        try:
+            cfg["cores"] = core_shares(cpus, n)
+        except ValueError as e:       # auto: too few cores to bind, run unbound
+            if bind == "on":
+                raise SystemExit(f"--bind on: {e}") from None
     load = " ".join(f"{v:.2f}" for v in os.getloadavg())
     with World(n, timeout=3600, env={"COMMWEAVE_RANK_THREADS": "1"}) as world:
         ranks = world.run(bench_rank, cfg)

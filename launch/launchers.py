@@ -65,7 +65,7 @@ def shell_export(key: str, value: str) -> tuple[str, str]:
 def _shell_safe(value: str, what: str) -> str:
     if shlex.quote(value) != value:
         raise ValueError(f"{what} {value!r}: DeepSpeed's pdsh command puts it unquoted into the remote "
-                         "shell line; use a path of letters, digits and _ + - . / : @ % , =")
+                         "shell line; use only letters, digits and _ + - . / : @ % , =")
     return value
 
 
@@ -96,6 +96,13 @@ def _pdsh_runner():
             _shell_safe(sys.executable, "the Python interpreter")
             if self.args.venv_script is not None:
                 _shell_safe(self.args.venv_script, "--venv_script")
+            # DeepSpeed writes these into the remote shell line unquoted: validated on the way in
+            # (topology.check_addr), checked again here so that no value becomes a second command.
+            _shell_safe(str(self.args.master_addr), "--master_addr")
+            _shell_safe(str(self.args.master_port), "--master_port")
+            _shell_safe(self.world_info_base64, "the world info")
+            if self.args.enable_each_rank_log:
+                _shell_safe(self.args.enable_each_rank_log, "--enable_each_rank_log")
             self.user_script = shlex.quote(self.args.user_script)
             return super().get_cmd(environment, active_resources)
 

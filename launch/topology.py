@@ -72,13 +72,17 @@ def is_host_name(value) -> bool:
 
 
 def is_ip_literal(value) -> bool:
+    """An IPv4 or IPv6 literal. An IPv6 zone id (after ``%``, RFC 6874) must be a Linux interface
+    name (:data:`IFNAME_RULE`) or a scope number: ``ipaddress`` accepts any text there, shell
+    metacharacters and spaces included, and the address reaches a remote shell line on pdsh."""
     if not isinstance(value, str) or not value.isascii():
         return False
     try:
-        ipaddress.ip_address(value)
+        address = ipaddress.ip_address(value)
     except ValueError:
         return False
-    return True
+    zone = getattr(address, "scope_id", None)
+    return zone is None or _IFNAME.fullmatch(zone) is not None
 
 
 def check_host_name(value, where: str) -> str:
@@ -91,7 +95,8 @@ def check_host_name(value, where: str) -> str:
 def check_addr(value, where: str) -> str:
     """A host name or an IP literal (IPv4 or IPv6): what ``--master_addr`` and MASTER_ADDR accept."""
     if not (is_host_name(value) or is_ip_literal(value)):
-        raise ValueError(f"{where}: {value!r} is neither {HOST_NAME_RULE} nor an IPv4/IPv6 address")
+        raise ValueError(f"{where}: {value!r} is neither {HOST_NAME_RULE} nor an IPv4/IPv6 address "
+                         f"(an IPv6 zone id after '%' is {IFNAME_RULE})")
     return value
 
 

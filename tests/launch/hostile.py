@@ -15,8 +15,21 @@ HOSTILE = {
     "double quote": 'a0"x',
     "non-ASCII": "a\u00e40",
     "dollar variable": "a$HOME",
+    # IPv6 zone ids (after '%'): Python's ipaddress accepts any text there but '/' and '%' (issue 22),
+    # so these name no path: they would write PWNED/OWNED into the working directory of whatever ran
+    "zone id semicolon": "fe80::1%x;touch${{IFS}}PWNED;#",
+    "zone id substitution": "::1%y$(id>OWNED)",
+    "zone id backticks": "::1%y`touch${{IFS}}PWNED`",
+    "zone id space": "fe80::1%eth0 touch PWNED",
 }
 
 
 def hostile(kind: str, mark) -> str:
     return HOSTILE[kind].format(mark=mark)
+
+
+def ran(mark) -> bool:
+    """Whether a hostile value ran: the marker exists, or a zone-id value wrote its file into the
+    working directory (the tests that use this run with the marker's folder as working directory)."""
+    return mark.exists() or any((mark.parent / name).exists() for name in ("PWNED", "OWNED"))
+

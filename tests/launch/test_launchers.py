@@ -25,7 +25,7 @@ import pytest
 from commweave.world import free_port
 from launch.runner import main, prepare
 from tests.launch import fakes
-from tests.launch.hostile import HOSTILE, hostile
+from tests.launch.hostile import HOSTILE, hostile, ran
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = str(REPO / "tests" / "launch" / "dump_env.py")
@@ -64,6 +64,7 @@ def tools(tmp_path, monkeypatch):
     saved_env = dict(os.environ)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "COMMWEAVE_TIMEOUT_S"):
         monkeypatch.delenv(var, raising=False)
@@ -109,7 +110,7 @@ def test_hostile_topology_values_run_nothing_on_any_path(tools, tmp_path, capsys
         code, _, err = _run(["--atlas-topology", topo, *extra, SCRIPT, "--out", str(tmp_path / "out")],
                             capsys)
         assert code == 2 and repr(value) in err and topo in err, (path, err)
-    assert fakes.calls(tools) == [] and not mark.exists() and not (tmp_path / "out").exists()
+    assert fakes.calls(tools) == [] and not ran(mark) and not (tmp_path / "out").exists()
 
 
 ARGUMENTS = {   # argument -> the rule its error states
@@ -127,7 +128,7 @@ def test_hostile_arguments_run_nothing(tools, tmp_path, capsys, option, kind):
     for path, extra in PATHS.items():
         code, _, err = _run(["--atlas-topology", topo, *extra, option, value, SCRIPT, "--out", "x"], capsys)
         assert code == 2 and f"{option}: {value!r} {ARGUMENTS[option]}" in err, (path, err)
-    assert fakes.calls(tools) == [] and not mark.exists()
+    assert fakes.calls(tools) == [] and not ran(mark)
 
 
 ENVIRONMENT = {   # variable -> the rule its error states
@@ -150,7 +151,7 @@ def test_hostile_environment_runs_nothing(tools, tmp_path, capsys, monkeypatch, 
     for path, extra in PATHS.items():
         code, _, err = _run(["--atlas-topology", topo, *extra, SCRIPT, "--out", "x"], capsys)
         assert code == 2 and var in err and ENVIRONMENT[var] in err, (path, err)
-    assert fakes.calls(tools) == [] and not mark.exists()
+    assert fakes.calls(tools) == [] and not ran(mark)
 
 
 @pytest.mark.parametrize("argv, env, message", [
@@ -222,7 +223,7 @@ def test_values_arrive_verbatim_and_ranks_are_placed(tools, tmp_path, capsys, mo
         assert (r["host"], r["local_rank"]) == (("a0", "b0")[rank // slots], str(rank % slots))
         assert r["world_size"] == str(2 * slots) and r["master"] == ["127.0.0.1", port]
         assert r["gloo_ifname"] == "lo"                              # the data center's interface
-    assert not mark.exists()
+    assert not ran(mark)
     tools_called = [c["tool"] for c in fakes.calls(tools)]
     tool = {"pdsh": "pdsh", "openmpi": "mpirun", "slurm": "srun", "mpich": "mpirun", "impi": "mpirun"}
     assert tools_called == ([] if path == "no_ssh" else ["ssh", tool[path]])
@@ -305,3 +306,23 @@ def test_single_node_launch(tools, tmp_path, capsys):
     for rank, r in ranks.items():
         assert r["rest"] == ["x y"] and r["world"] == 2 and r["local_rank"] == str(rank)
         assert r["env"]["COMMWEAVE_TIMEOUT_S"] == "7.0"          # the topology's timeout_s
+
+
+def test_pdsh_line_refuses_unquotable_values_that_passed_no_check(tools, tmp_path):
+    """Defence in depth: DeepSpeed writes --master_addr, --master_port and the log path into the
+    remote shell line unquoted; even a value that skipped the argument checks cannot become a command."""
+    import argparse
+
+    from launch.launchers import _pdsh_runner
+
+    for field, value in [("master_addr", "fe80::1%x;touch${IFS}PWNED;#"), ("master_port", "1;id"),
+                         ("enable_each_rank_log", "/tmp/log dir")]:
+        args = argparse.Namespace(master_addr="127.0.0.1", master_port=29500, ssh_port=None,
+                                  launcher_args="", venv_script=None, no_python=False, module=False,
+                                  no_local_rank=False, save_pid=False, enable_each_rank_log=None,
+                                  user_script=SCRIPT, user_args=[])
+        setattr(args, field, value)
+        runner = _pdsh_runner()(args, "e30=")
+        with pytest.raises(ValueError, match=re.escape(repr(value)) + ".*remote shell line"):
+            runner.get_cmd({}, {"a0": [0]})
+    assert fakes.calls(tools) == []

@@ -110,6 +110,7 @@ def test_hostile_values_in_every_field_are_refused(field, kind, tmp_path):
 @pytest.mark.parametrize("field, value", [
     ("host name", "east-0.dc1.example.com"), ("host name", "10.0.0.7"), ("host name", "A0"),
     ("addr", "10.1.0.1"), ("addr", "fd00::1"), ("addr", "east-0.example.com"),
+    ("addr", "fe80::1%eth0"), ("addr", "fe80::1%3"), ("addr", "fe80::1%enp3s0f1.100"),
     ("ifname", "eth0.100"), ("ifname", "enp3s0f1"), ("ifname", "ib_0-x"),
     ("dc name", "us-east_1"),
 ])

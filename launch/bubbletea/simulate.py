@@ -118,11 +118,11 @@ def for_plan(topo, model, plan, window: float | None = None,
              spec: InferenceSpec | None = None) -> BubbleTeaEstimate:
     """BubbleTea on an ATLAS plan (:func:`launch.plan.placement.make_plan`): its layout simulated once
     more, its bubbles filled. ``window`` is the per-connection TCP window the plan was made with (default:
-    ``launch.net.sockets.DEFAULT_WINDOW``, as ``make_plan``)."""
-    from launch.net.sockets import DEFAULT_WINDOW
+    ``launch.plan.socket_limits.DEFAULT_WINDOW``, as ``make_plan``)."""
     from launch.plan.estimate import build, memory
     from launch.plan.placement import layout_of
     from launch.plan.simulate import simulate
+    from launch.plan.socket_limits import DEFAULT_WINDOW
 
     window = DEFAULT_WINDOW if window is None else window
     spec = spec or InferenceSpec()

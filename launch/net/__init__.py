@@ -1,6 +1,7 @@
 """Bytes over the WAN: ATLAS's multi-TCP pipeline transfers and temporal sharing (atlas.md §1.3, §2).
 
-    sockets.py   multi-TCP settings (NCCL socket knobs, gloo devices), NCCL buffer memory, TCP sysctl advice
+    sockets.py   multi-TCP settings (NCCL socket knobs, gloo devices, Megatron's per-group NCCL config),
+                 the TCP connections a process holds
     striping.py  k-connection gloo WAN groups, transfers striped by tag, each stripe's connection known
     recovery.py  a broken or stalled WAN connection: reported, re-opened by both ranks, sent again
     sharing.py   temporal WAN sharing: token rings (one group per ring and direction) over the DP senders

@@ -32,6 +32,7 @@ error within the timeout, not a retry. Recovery is gloo-only (see :mod:`launch.n
 from __future__ import annotations
 
 import json
+import os
 import time
 import warnings
 from datetime import timedelta
@@ -40,11 +41,19 @@ import torch.distributed as dist
 
 from commweave import comm
 
+RETRIES_ENV, DEFAULT_RETRIES = "ATLAS_WAN_RETRIES", 2
+
+
+def retries() -> int:
+    """How many times one transfer is sent again after a broken connection (``ATLAS_WAN_RETRIES``)."""
+    text = os.environ.get(RETRIES_ENV, str(DEFAULT_RETRIES))
+    if not text.isdigit():
+        raise ValueError(f"{RETRIES_ENV}={text!r}: must be an integer >= 0")
+    return int(text)
+
 
 def recover(wan, pair, failing, failed: dict[int, Exception]) -> None:
     """Repair ``pair`` after ``failing`` lost the stripes ``failed``; returns once ``failing`` completed."""
-    from launch.net.striping import Transfer, retries
-
     limit = retries()
     me = dist.get_rank()
     peer = pair.ranks[1] if pair.ranks[0] == me else pair.ranks[0]
@@ -74,8 +83,9 @@ def recover(wan, pair, failing, failed: dict[int, Exception]) -> None:
                 raise comm.CommError(f"ATLAS WAN: {pair.name}: peer rank {peer} completed {delivered} of "
                                      f"this rank's {pair.done.get(me, 0)} sends; only the last one is kept "
                                      "for a resend")
-            resend = Transfer(wan, pair, "send", pair.last_sent, me, peer, f"resend of {failing.what}",
-                              resend_of=pair.last_index)
+            # the failing transfer's own class (launch.net.striping.Transfer, which calls this module)
+            resend = type(failing)(wan, pair, "send", pair.last_sent, me, peer, f"resend of {failing.what}",
+                                   resend_of=pair.last_index)
         for t in list(pair.inflight):
             if t.kind == "send" and t.index < delivered:
                 t.finish()                       # arrived before the connection broke

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from commweave import comm
-from launch.plan.placement import Plan
+from launch.plan.plan import Plan
 
 
 @dataclass

@@ -39,11 +39,11 @@ import torch
 import torch.distributed as dist
 
 from commweave import comm
+from launch.net.recovery import recover
 from launch.net.sockets import device_connections, gloo_ifname, group_sockets, socket_inodes
-from launch.plan.placement import Plan
+from launch.plan.plan import Plan
 
 STRIPE_MIN_BYTES = 1 << 20   # below this a transfer goes whole: striping would only add latency
-RETRIES_ENV, DEFAULT_RETRIES = "ATLAS_WAN_RETRIES", 2
 
 
 @contextmanager
@@ -88,14 +88,6 @@ def _waiters() -> ThreadPoolExecutor:
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="atlas-stripe")
     return _pool
-
-
-def retries() -> int:
-    """How many times one transfer is sent again after a broken connection (``ATLAS_WAN_RETRIES``)."""
-    text = os.environ.get(RETRIES_ENV, str(DEFAULT_RETRIES))
-    if not text.isdigit():
-        raise ValueError(f"{RETRIES_ENV}={text!r}: must be an integer >= 0")
-    return int(text)
 
 
 @dataclass
@@ -265,8 +257,6 @@ class Transfer:
         if not failed:
             self.finish()
             return True
-        from launch.net.recovery import recover
-
         recover(self.wan, self.pair, self, failed)
         return True
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from launch.net.sharing import TemporalSharing
 from launch.net.striping import WanGroups
-from launch.plan.placement import Plan
+from launch.plan.plan import Plan
 
 DEEPSPEED_PARAMS = {"send": ["tensor", "dest_stage", "async_op"], "recv": ["tensor", "src_stage", "async_op"]}
 MEGATRON_PARAMS = ["tensor_send_prev", "tensor_recv_prev", "tensor_send_next", "tensor_recv_next", "group",

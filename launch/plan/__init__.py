@@ -7,6 +7,9 @@
     bound.py         a proven lower bound on the simulator; search.py ranks candidates by the simulator
     placement.py     Algorithm 1 placement + search -> pp/tp/dp, stage-to-DC map, sharing, connections,
                      DC-ordered hostfile
+    plan.py          the plan itself (what the launcher exports to every rank and net/ reads)
+    socket_limits.py what the planner knows about sockets: NCCL's limits, the default window, NCCL's
+                     buffer memory, this host's TCP sysctls checked against a plan
     baselines.py     DP across the WAN, stock DeepSpeed/Megatron rank order, Varuna-like, same simulator
     timeline.py      one iteration's ops: idle windows, a PNG (matplotlib), a Chrome trace
     __main__.py      ``python -m launch.plan``: the plan against the baselines, the JSON line

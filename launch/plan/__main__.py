@@ -21,12 +21,12 @@ import argparse
 import json
 import sys
 
-from launch.net.sockets import DEFAULT_WINDOW, tcp_advice
 from launch.plan import baselines
 from launch.plan import topology as topology_mod
 from launch.plan.estimate import ModelSpec
 from launch.plan.placement import atlas_layouts, choose, load_model, plan_of, render
 from launch.plan.search import Choice, best
+from launch.plan.socket_limits import DEFAULT_WINDOW, tcp_advice
 from launch.plan.timeline import Op, draw, write_trace
 from launch.plan.topology import Topology
 
@@ -94,7 +94,7 @@ def labels(atlas: Choice) -> dict[tuple[int, int], str]:
     return {(s, d): f"{lay.dc[s][d]} s{s} r{d}" for s in range(lay.pp) for d in range(lay.dp)}
 
 
-def cli(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launch.plan",
                                  description="ATLAS's plan for a topology, against the baselines")
     ap.add_argument("topology", help="the ATLAS topology file (JSON)")
@@ -184,4 +184,4 @@ def _span(text: str) -> tuple[float, float]:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(main())

@@ -17,7 +17,7 @@ stage's DP all-reduce moves layers·P/tp·n bytes per TP rank: a ring over the D
 group spanning data centers, a ring whose WAN hops carry 2(D−1)/D of it per direction. Memory per
 GPU: weights and grads in n bytes and fp32 Adam state (12 bytes) per parameter, plus 1F1B's
 in-flight activations (stage s keeps min(pp − s, M) micro-batches), plus NCCL's staging buffers
-(launch.net.sockets.nccl_buffer_memory: NCCL_BUFFSIZE on every communicator; under ATLAS's launcher
+(launch.plan.socket_limits.nccl_buffer_memory: NCCL_BUFFSIZE on every communicator; under ATLAS's launcher
 BUFFSIZE is raised for the WAN and each WAN neighbour adds a pair group and a token ring).
 """
 
@@ -28,8 +28,8 @@ from dataclasses import dataclass, fields
 from itertools import pairwise
 
 from commweave import cost
-from launch.net.sockets import nccl_buffer_memory, nccl_buffsize, nccl_communicators
 from launch.plan.simulate import Collective, Job, Route, WanFlow
+from launch.plan.socket_limits import nccl_buffer_memory, nccl_buffsize, nccl_communicators
 from launch.plan.topology import DataCenter, Topology, WanLink
 
 _MODEL_KEYS = {"layers", "hidden", "seq", "micro_batch", "global_batch", "dtype_bytes", "pp", "tp", "dp"}

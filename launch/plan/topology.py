@@ -30,7 +30,7 @@ address on the network the ranks use) lets the launcher pick ``--master_addr`` w
 ``ifname`` is the interface gloo and NCCL bind to in that data center. A WAN entry's optional
 ``window_mb`` is the effective TCP window of one connection on that path (the planner's per-connection
 rate limit, window/RTT); without it the planner assumes Linux's default buffers
-(``launch.net.sockets.DEFAULT_WINDOW``), never the sysctls of the machine it runs on. ``gpu_tflops`` is
+(``launch.plan.socket_limits.DEFAULT_WINDOW``), never the sysctls of the machine it runs on. ``gpu_tflops`` is
 what one GPU of that DC sustains on the model: the planner splits layers in proportion to it.
 """
 

@@ -41,9 +41,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from unittest import mock
 
-from launch.net.sockets import nccl_env, tcp_advice
+from launch.net.sockets import nccl_env
 from launch.plan import topology
-from launch.plan.placement import Plan, load_model, make_plan, render
+from launch.plan.placement import load_model, make_plan, render
+from launch.plan.plan import Plan
+from launch.plan.socket_limits import tcp_advice
 from launch.run import launchers, runtime
 
 EXPORT_PREFIXES = ["GLOO", "NCCL", "TORCH_GLOO", "ATLAS", "COMMWEAVE"]

@@ -28,8 +28,8 @@ import warnings
 from typing import TYPE_CHECKING
 
 from launch.net.sockets import megatron_nccl_config as _nccl_yaml
-from launch.net.sockets import tcp_advice
-from launch.plan.placement import Plan
+from launch.plan.plan import Plan
+from launch.plan.socket_limits import tcp_advice
 from launch.plan.topology import WanLink
 
 if TYPE_CHECKING:     # torch is imported only where a process group is used, not by init()
@@ -206,8 +206,9 @@ def _wan_p2p(plan, connections, sharing, ifname: str | None, check) -> WanP2P:
     """Check everything that can fail on this rank, agree with every rank that nothing did (one
     all-gather), then create the groups (collective) and return the unpatched handle."""
     from commweave import comm
+    from launch.net.recovery import retries
     from launch.net.sharing import TemporalSharing
-    from launch.net.striping import open_wan_groups, retries, wan_devices
+    from launch.net.striping import open_wan_groups, wan_devices
     from launch.net.wan_p2p import WanP2P
 
     problem, devices = None, ""

@@ -7,8 +7,8 @@ import pytest
 from launch.bubbletea.packer import check_placements
 from launch.bubbletea.simulate import InferenceSpec, for_plan, simulate_bubbletea
 from launch.plan import topology
+from launch.plan.__main__ import main as plan_main
 from launch.plan.estimate import ModelSpec
-from launch.plan.placement import main as plan_main
 from launch.plan.placement import make_plan
 from launch.plan.simulate import Link, Pipeline, simulate
 

@@ -1,8 +1,8 @@
 """The baselines' layouts follow the rules of the systems they stand for (launch/plan/baselines.py)."""
 
-from launch.net.sockets import DEFAULT_WINDOW
 from launch.plan import baselines, topology
 from launch.plan.estimate import ModelSpec, build
+from launch.plan.socket_limits import DEFAULT_WINDOW
 
 RAW = {"datacenters": {"a": {"hosts": [{"name": "a0", "slots": 4}, {"name": "a1", "slots": 2}]},
                        "b": {"hosts": [{"name": "b0", "slots": 2}]}},

@@ -5,7 +5,6 @@ from dataclasses import replace
 import pytest
 
 from commweave import cost
-from launch.net.sockets import nccl_buffer_memory, nccl_communicators
 from launch.plan import topology
 from launch.plan.estimate import (
     Layout,
@@ -18,6 +17,7 @@ from launch.plan.estimate import (
     split_layers,
     stage_layers,
 )
+from launch.plan.socket_limits import nccl_buffer_memory, nccl_communicators
 
 RAW = {"datacenters": {"a": {"hosts": [{"name": "a0", "slots": 4}], "gpu_tflops": 100, "gpu_memory_gb": 80,
                              "node_bandwidth_gbps": 800, "intra_bandwidth_gbps": 80},

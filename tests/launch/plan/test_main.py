@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.plan.placement import main
+from launch.plan.__main__ import main
 
 SHIPPED = ["configs/atlas_two_dc.json", "configs/atlas_three_dc.json", "configs/atlas_intercontinental.json"]
 

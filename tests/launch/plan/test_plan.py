@@ -9,10 +9,11 @@ import pytest
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from megatron.core.parallel_state import RankGenerator
 
-from launch.net import sockets
-from launch.plan import topology
+from launch.plan import socket_limits, topology
+from launch.plan.__main__ import main
 from launch.plan.estimate import ModelSpec
-from launch.plan.placement import Plan, assign_hosts, fill_connections, main, make_plan, place, render
+from launch.plan.placement import assign_hosts, fill_connections, make_plan, place, render
+from launch.plan.plan import Plan
 
 TWO_DC = {
     "datacenters": {
@@ -211,7 +212,7 @@ def test_the_plan_does_not_read_this_machines_sysctls(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the planner read a sysctl")
 
-    monkeypatch.setattr(sockets, "read_sysctl", refuse)
-    monkeypatch.setattr(sockets, "host_window", refuse)
+    monkeypatch.setattr(socket_limits, "read_sysctl", refuse)
+    monkeypatch.setattr(socket_limits, "host_window", refuse)
     assert make_plan(_topo(), MODEL) == before
-    assert make_plan(_topo(), MODEL, window=sockets.DEFAULT_WINDOW) == before
+    assert make_plan(_topo(), MODEL, window=socket_limits.DEFAULT_WINDOW) == before

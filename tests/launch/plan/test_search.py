@@ -6,13 +6,13 @@ import glob
 
 import pytest
 
-from launch.net.sockets import DEFAULT_WINDOW
 from launch.plan import baselines, topology
 from launch.plan.bound import lower_bound
 from launch.plan.estimate import ModelSpec, build, fits
 from launch.plan.placement import atlas_layouts
 from launch.plan.search import best, exhaustive
 from launch.plan.simulate import simulate
+from launch.plan.socket_limits import DEFAULT_WINDOW
 
 SHIPPED = sorted(glob.glob("configs/atlas_*.json"))
 BOTH = ("spatial", "temporal")

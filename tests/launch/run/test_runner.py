@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.plan.placement import Plan
+from launch.plan.plan import Plan
 from launch.run.launchers import shell_export
 from launch.run.runner import prepare
 

@@ -169,7 +169,7 @@ def test_megatron_config_names_every_group_that_crosses_the_wan(env, plan, tmp_p
 def test_tcp_advice_counts_every_flow_of_a_boundary_transfer():
     """With tp > 1 each of the stage's tp ranks sends its slice over k connections: the buffer advice is
     for tp·k flows on the link, as the planner's CLI prints it."""
-    from launch.net.sockets import WINDOW_FRACTION, tcp_advice
+    from launch.plan.socket_limits import WINDOW_FRACTION, tcp_advice
     from launch.plan.topology import WanLink
 
     model = ModelSpec(layers=4, hidden=16, seq=8, global_batch=8, pp=2, tp=2, dp=1)

@@ -71,5 +71,5 @@ setup(
     extras_require={"test": ["pytest>=8", "pytest-timeout", "ruff"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension},
-    entry_points={"console_scripts": ["deepspeed-atlas=launch.runner:main"]},
+    entry_points={"console_scripts": ["deepspeed-atlas=launch.run.runner:main"]},
 )

@@ -2,9 +2,9 @@
 
     python -m benchmarks.wan [--rtt-ms 40] [--rate-mbit 800] [--mib 256] [--window-kib 1024] [--repeats 3]
 
-Two network namespaces joined by launch.wanemu (a TUN delay line for the RTT, tbf for the rate; needs
+Two network namespaces joined by launch.net.wanemu (a TUN delay line for the RTT, tbf for the rate; needs
 root). One gloo rank in each sends a 256 MiB tensor the way ATLAS's patched pipeline p2p does
-(launch.striping: a k-device WAN group, the tensor cut into k stripes with tags 0..k−1), for each k.
+(launch.net.striping: a k-device WAN group, the tensor cut into k stripes with tags 0..k−1), for each k.
 Alongside, the anchors: the stock pipeline p2p (``dist.send`` on the world group, what DeepSpeed's
 pipeline engine does: one connection), the link rate itself (32 plain TCP streams, as many as it
 takes to fill it), and one connection's window/RTT limit (sampled from ``ss -ti`` during k=1).
@@ -38,9 +38,9 @@ STREAMS = 32
 
 
 def _plan(conns: int):
-    from launch import topology
-    from launch.estimate import ModelSpec
-    from launch.plan import make_plan
+    from launch.plan import topology
+    from launch.plan.estimate import ModelSpec
+    from launch.plan.placement import make_plan
 
     raw = {"datacenters": {"a": {"hosts": [{"name": "a0", "slots": 1}]},
                            "b": {"hosts": [{"name": "b0", "slots": 1}]}},
@@ -58,8 +58,8 @@ def worker(rank: int, master: str, peer: str, ifname: str, mib: int, conns: list
     import torch.distributed as dist
 
     from commweave import comm
-    from launch.sockets import established_connections
-    from launch.striping import open_wan_groups
+    from launch.net.sockets import established_connections
+    from launch.net.striping import open_wan_groups
 
     dist.init_process_group("gloo", init_method=f"tcp://{master}:29600", rank=rank, world_size=2)
     n = mib * 2**20 // 4
@@ -181,8 +181,8 @@ def main() -> None:
         worker(a.worker, master, peer, ifname, a.mib, conns, a.repeats)
         return
 
-    from launch import netns
-    from launch.wanemu import WanLink
+    from launch.net import netns
+    from launch.net.wanemu import WanLink
 
     ok, reason = netns.available()
     if not ok:

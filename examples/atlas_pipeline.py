@@ -69,7 +69,7 @@ def train(steps: int, plan, wan_setup=None) -> list[float]:
     import torch.distributed as dist
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    from launch.runtime import pipe_topology
+    from launch.run.runtime import pipe_topology
 
     deepspeed.init_distributed(dist_backend=dist.get_backend())   # adopts the existing process group
     specs = [LayerSpec(cls, *args) for cls, *args in layer_factories()]
@@ -107,8 +107,8 @@ def main() -> None:
     import deepspeed
     import torch.distributed as dist
 
-    import launch.runtime as atlas
-    from launch.sockets import established_connections
+    import launch.run.runtime as atlas
+    from launch.net.sockets import established_connections
 
     plan = atlas.init()
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")

@@ -70,7 +70,7 @@ def emulate_wan_latency(seconds: float):
     from deepspeed.runtime.pipe import p2p
 
     from commweave import comm
-    from launch.wan_p2p import Patch
+    from launch.net.wan_p2p import Patch
 
     if seconds < 0:
         raise ValueError(f"emulate_wan_latency: seconds={seconds} must be >= 0")

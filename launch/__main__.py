@@ -1,5 +1,5 @@
 """``python -m launch``: the same as the ``deepspeed-atlas`` console script."""
 
-from launch.runner import main
+from launch.run.runner import main
 
 main()

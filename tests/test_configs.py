@@ -61,7 +61,7 @@ def test_main_job_configs_pass_its_checks(name):
 
 @pytest.mark.parametrize("path", [p for p in CONFIGS if _kind(p) == "topology"], ids=lambda p: p.name)
 def test_topologies_load(path):
-    from launch import topology
+    from launch.plan import topology
 
     topo = topology.load(str(path))
     assert topo.datacenters

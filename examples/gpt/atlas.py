@@ -2,11 +2,11 @@
 started by ``deepspeed-atlas`` (``python -m launch``) once with DeepSpeed's own pipeline sends and once
 with ATLAS's multi-TCP striping and temporal sharing.
 
-Two network namespaces are the two data centers' hosts (2 ranks each), joined by launch.wanemu's WAN:
+Two network namespaces are the two data centers' hosts (2 ranks each), joined by launch.net.wanemu's WAN:
 a user-space delay line for the round trip and a ``tbf`` rate limit; TCP buffers inside the namespaces
 are capped so that one connection is window-limited below the link rate, as on a real long fat link
 (benchmarks/wan.py measures the link itself). Each node runs under ``timeout``; everything made here
-is removed on exit (launch.netns.Lab). Needs root; without it :func:`pipeline_rows` says why.
+is removed on exit (launch.net.netns.Lab). Needs root; without it :func:`pipeline_rows` says why.
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ def _result(name: str, ranks: list[dict]) -> Result:
 def pipeline_rows(deepspeed_config: str, connections: int = 8, wan: Wan = Wan(),
                   job_args: tuple[str, ...] = ()) -> list[tuple[Result, str]] | str:
     """The two pipeline rows (stock, ATLAS), or the reason they cannot run here."""
-    from launch import netns
-    from launch.wanemu import WanLink
+    from launch.net import netns
+    from launch.net.wanemu import WanLink
 
     ok, reason = netns.available()
     if not ok:

@@ -10,7 +10,7 @@ attention: context parallelism stays inside a data center) and DeepSpeed MoE lay
 by the config) whose experts are spread over the two DP ranks of their stage (EP 2, all-to-all inside
 the data center). Stage 0 sends [seq, micro, hidden] activations across the WAN, stage 1 their
 gradients back. ``--stock-p2p`` keeps DeepSpeed's pipeline sends (one TCP connection per pair, both
-pipelines on the WAN at once); otherwise ``launch.runtime.enable_deepspeed`` stripes them over the
+pipelines on the WAN at once); otherwise ``launch.run.runtime.enable_deepspeed`` stripes them over the
 launcher's ``--wan-connections`` and lets the DP pipelines take turns (temporal sharing).
 
 Every rank writes ``rank<N>.json`` to ``--out``: train losses, held-out loss, step times, bytes sent
@@ -122,7 +122,7 @@ def main() -> None:
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     import ds_plugins
-    import launch.runtime as atlas
+    import launch.run.runtime as atlas
     from commweave import ledger
     from examples.gpt.train import counted
 

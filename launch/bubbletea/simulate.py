@@ -1,6 +1,6 @@
 """BubbleTea in the what-if simulator: how much of a planned iteration prefill can fill.
 
-The training iteration comes from :func:`launch.simulate.simulate` (its ops, through
+The training iteration comes from :func:`launch.plan.simulate.simulate` (its ops, through
 :func:`launch.bubbletea.timeline.from_simulation`); its idle windows are packed with the chunked
 prefill of a backlog of prompts (:func:`launch.bubbletea.packer.pack`), and the utilisation is
 ``(training busy + prefill busy) / (GPUs × iteration)`` (atlas.md §1.8 step 7).
@@ -68,7 +68,7 @@ class BubbleTeaEstimate:
 
 def simulate_bubbletea(pipe, result, stage_flops: list[float], spec: InferenceSpec | None = None,
                        gpus_per_lane: int = 1) -> BubbleTeaEstimate:
-    """Fill one simulated iteration's bubbles (``pipe``: the :class:`launch.simulate.Job` or
+    """Fill one simulated iteration's bubbles (``pipe``: the :class:`launch.plan.simulate.Job` or
     ``Pipeline`` simulated, ``result`` its result). ``stage_flops[s]``: a GPU's FLOP/s at stage s;
     ``gpus_per_lane``: the tp GPUs behind each (stage, replica) lane (each runs its own model copy,
     so the lane's prefill throughput is that many times one GPU's)."""
@@ -116,13 +116,13 @@ def _pack_heterogeneous(windows, backlog, spec: InferenceSpec, stage_flops: list
 
 def for_plan(topo, model, plan, window: float | None = None,
              spec: InferenceSpec | None = None) -> BubbleTeaEstimate:
-    """BubbleTea on an ATLAS plan (:func:`launch.plan.make_plan`): its layout simulated once more, its
-    bubbles filled. ``window`` is the per-connection TCP window the plan was made with (default:
-    ``launch.sockets.DEFAULT_WINDOW``, as ``make_plan``)."""
-    from launch.estimate import build, memory
-    from launch.plan import layout_of
-    from launch.simulate import simulate
-    from launch.sockets import DEFAULT_WINDOW
+    """BubbleTea on an ATLAS plan (:func:`launch.plan.placement.make_plan`): its layout simulated once
+    more, its bubbles filled. ``window`` is the per-connection TCP window the plan was made with (default:
+    ``launch.plan.socket_limits.DEFAULT_WINDOW``, as ``make_plan``)."""
+    from launch.plan.estimate import build, memory
+    from launch.plan.placement import layout_of
+    from launch.plan.simulate import simulate
+    from launch.plan.socket_limits import DEFAULT_WINDOW
 
     window = DEFAULT_WINDOW if window is None else window
     spec = spec or InferenceSpec()

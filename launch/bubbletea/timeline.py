@@ -1,7 +1,7 @@
 """Bubble extraction: one iteration's training ops per GPU -> the idle windows between them.
 
 The input is plain data, so any source can feed it: :func:`from_simulation` reads
-:mod:`launch.simulate`'s iteration, :class:`launch.bubbletea.engine.BubbleTeaPipelineEngine` records
+:mod:`launch.plan.simulate`'s iteration, :class:`launch.bubbletea.engine.BubbleTeaPipelineEngine` records
 a real DeepSpeed run. An :class:`Op` is ``(lane, kind, start, end)`` in seconds from the start of the
 iteration; a *lane* is one GPU (one rank): ``(stage, replica)`` in simulation, the global rank in a
 real run. Training is periodic per iteration (atlas.md §1.8 step 1), so the windows of one iteration
@@ -102,8 +102,8 @@ def utilisation(ops: Iterable, iteration: float, extra: Iterable = (), n_lanes: 
 
 
 def from_simulation(result) -> list[Op]:
-    """The training ops of one simulated iteration (:func:`launch.simulate.simulate` reports every op,
-    :class:`launch.timeline.Op`), per (stage, replica) lane: forward and backward as ``F``/``B``, the DP
+    """The training ops of one simulated iteration (:func:`launch.plan.simulate.simulate` reports every op,
+    :class:`launch.plan.timeline.Op`), per (stage, replica) lane: forward and backward as ``F``/``B``, the DP
     all-reduce; WAN sends and receives are not GPU work and stay out."""
     kinds = {"forward": "F", "backward": "B", "allreduce": "allreduce"}
     return [Op((op.stage, op.replica), kinds[op.kind], op.start, op.end) for op in result.ops

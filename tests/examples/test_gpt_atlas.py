@@ -11,7 +11,7 @@ import pytest
 from examples.gpt import atlas, report
 from examples.gpt.agreement import Tolerance
 from examples.gpt.train import Result
-from launch import netns
+from launch.net import netns
 from tests.launch.conftest import namespaces  # noqa: F401  (the fixture: skips without root)
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ posting its second instrumented operation. Each other rank records its error and
 once (``os._exit``), as a failed job's rank does. The test prints the time from the fault to each rank's
 error and asserts the last one is within the timeout plus scheduling slack.
 
-The same pattern as tests/launch/test_faults.py (the ATLAS pipeline send).
+The same pattern as tests/launch/net/test_faults.py (the ATLAS pipeline send).
 """
 
 from __future__ import annotations

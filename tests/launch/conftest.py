@@ -1,6 +1,6 @@
 import pytest
 
-from launch import netns
+from launch.net import netns
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import launch.runtime as atlas
+import launch.run.runtime as atlas
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--local_rank", type=int)

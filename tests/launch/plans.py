@@ -1,8 +1,8 @@
 """Small plans for multi-rank tests, made through the real topology parser and planner."""
 
-from launch import topology
-from launch.estimate import ModelSpec
-from launch.plan import make_plan
+from launch.plan import topology
+from launch.plan.estimate import ModelSpec
+from launch.plan.placement import make_plan
 
 
 def two_dc_plan(pp: int = 2, tp: int = 1, dp: int = 2, connections: int = 4, sharing: str = "temporal",

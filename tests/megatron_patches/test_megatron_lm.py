@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.runner import _drop_option
+from launch.run.runner import _drop_option
 
 REPO = Path(__file__).resolve().parents[2]
 ROOT = os.environ.get("MEGATRON_LM_PATH")

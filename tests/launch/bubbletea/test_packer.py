@@ -7,7 +7,7 @@ import pytest
 
 from launch.bubbletea.packer import Chunk, Request, check_placements, pack
 from launch.bubbletea.timeline import Op, Window, extract_windows, from_simulation
-from launch.simulate import Link, Pipeline, simulate
+from launch.plan.simulate import Link, Pipeline, simulate
 
 
 def _per_token(seconds):

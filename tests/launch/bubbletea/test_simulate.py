@@ -4,13 +4,13 @@ import json
 
 import pytest
 
-from launch import topology
 from launch.bubbletea.packer import check_placements
 from launch.bubbletea.simulate import InferenceSpec, for_plan, simulate_bubbletea
-from launch.estimate import ModelSpec
-from launch.plan import main as plan_main
-from launch.plan import make_plan
-from launch.simulate import Link, Pipeline, simulate
+from launch.plan import topology
+from launch.plan.__main__ import main as plan_main
+from launch.plan.estimate import ModelSpec
+from launch.plan.placement import make_plan
+from launch.plan.simulate import Link, Pipeline, simulate
 
 # An intercontinental case (hundreds of ms RTT, a few Gb/s): our own until configs/ ships one.
 INTERCONTINENTAL = {

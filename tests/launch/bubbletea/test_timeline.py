@@ -6,7 +6,7 @@ import random
 import pytest
 
 from launch.bubbletea.timeline import Op, Window, busy_time, extract_windows, from_simulation, utilisation
-from launch.simulate import Link, Pipeline, simulate
+from launch.plan.simulate import Link, Pipeline, simulate
 
 
 def test_windows_of_a_hand_made_timeline():

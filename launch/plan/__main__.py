@@ -1,0 +1,187 @@
+"""``python -m launch.plan TOPOLOGY``: ATLAS's plan against the baselines on the same topology.
+
+Prints the plan (launch.plan.placement.render), a table with every system's best layout, iteration time,
+tokens/s, GPU utilisation and WAN bytes per iteration and ATLAS's speed-up over it, any warnings
+about this machine's TCP settings (they never change the plan), and ends with one JSON line::
+
+    {"iteration_s": ..., "tokens_per_s": ..., "utilisation": ..., "wan_bytes": ...,
+     "baselines": {"dp-wan": s, "stock": s, "varuna": s}, "speedups": {...},
+     "speedup_vs_best_baseline": ..., "layout": {...}, ...}
+
+A baseline with no layout that fits (or that cannot span the DCs it must span) shows as null.
+``--timeline FILE.png`` draws ATLAS's iteration, one row per pipeline-stage replica
+(launch.plan.timeline); ``--trace FILE.json`` writes the same ops as a Chrome trace. ``--bubbletea`` adds
+the utilisation with BubbleTea's prefill packed into the bubbles (launch.bubbletea.simulate) to the
+output and ``"utilisation_bubbletea"`` to the JSON line, and draws the prefill into the timeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from launch.plan import baselines
+from launch.plan import topology as topology_mod
+from launch.plan.estimate import ModelSpec
+from launch.plan.placement import atlas_layouts, choose, load_model, plan_of, render
+from launch.plan.search import Choice, best
+from launch.plan.socket_limits import DEFAULT_WINDOW, tcp_advice
+from launch.plan.timeline import Op, draw, write_trace
+from launch.plan.topology import Topology
+
+
+def compare(topo: Topology, model: ModelSpec, window: float = DEFAULT_WINDOW) -> dict[str, Choice | None]:
+    """Each baseline's fastest layout by simulation (None: it has none)."""
+    return {name: best(topo, model, layouts(topo, model), window)
+            for name, layouts in baselines.LAYOUTS.items()}
+
+
+def describe(c: Choice) -> str:
+    lay = c.layout
+    dcs = sorted({d for stage in lay.dc for d in stage})
+    return f"pp={lay.pp} tp={lay.tp} dp={lay.dp} ({lay.gpus} GPUs; {'+'.join(dcs)})"
+
+
+def table(model: ModelSpec, atlas: Choice, others: dict[str, Choice | None],
+          across: Choice | None = None) -> str:
+    """One row per system; ``across``: ATLAS's best layout that spans data centers, shown when its
+    plan keeps to one DC (what crossing would cost with ATLAS's own WAN mechanisms)."""
+    tokens = model.global_batch * model.seq
+    rows = [("ATLAS", atlas)] + ([("ATLAS, across DCs", across)] if across else [])
+    rows += [(baselines.NAMES[k], c) for k, c in others.items()]
+    head = (f"  {'system':<26} {'layout':<48} {'iteration s':>11} {'tokens/s':>10} {'GPU util':>8} "
+            f"{'WAN GB':>9} {'ATLAS x':>8}")
+    lines = ["baselines (same topology, same simulator; WAN GB = bytes over the WAN per iteration)", head]
+    for name, c in rows:
+        if c is None:
+            dash = f"{'-':>11} {'-':>10} {'-':>8} {'-':>9} {'-':>8}"
+            lines.append(f"  {name:<26} {'no layout fits':<48} {dash}")
+            continue
+        r = c.result
+        lines.append(f"  {name:<26} {describe(c):<48} {r.iteration:>11.4g} {tokens / r.iteration:>10.4g} "
+                     f"{100 * r.utilisation:>7.0f}% {r.wan_bytes / 1e9:>9.4g} "
+                     f"{r.iteration / atlas.result.iteration:>7.2f}x")
+    return "\n".join(lines)
+
+
+def summary(topo: Topology, model: ModelSpec, atlas: Choice, others: dict[str, Choice | None],
+            across: Choice | None = None) -> dict:
+    r, lay = atlas.result, atlas.layout
+    times = {k: (c.result.iteration if c else None) for k, c in others.items()}
+    known = [t for t in times.values() if t is not None]
+    return {
+        "topology": topo.source,
+        "iteration_s": r.iteration,
+        "tokens_per_s": model.global_batch * model.seq / r.iteration,
+        "utilisation": r.utilisation,
+        "wan_bytes": r.wan_bytes,
+        "layout": {"pp": lay.pp, "tp": lay.tp, "dp": lay.dp, "stage_dc": [s[0] for s in lay.dc],
+                   "stage_layers": list(lay.stage_layers), "connections": lay.connections,
+                   "sharing": lay.sharing},
+        "lower_bound_s": atlas.bound,
+        "candidates": atlas.candidates,
+        "simulated": atlas.simulated,
+        "baselines": times,
+        "speedups": {k: (t / r.iteration if t else None) for k, t in times.items()},
+        "speedup_vs_best_baseline": (min(known) / r.iteration) if known else None,
+        "atlas_across_dcs_s": across.result.iteration if across else None,
+    }
+
+
+def labels(atlas: Choice) -> dict[tuple[int, int], str]:
+    lay = atlas.layout
+    return {(s, d): f"{lay.dc[s][d]} s{s} r{d}" for s in range(lay.pp) for d in range(lay.dp)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m launch.plan",
+                                 description="ATLAS's plan for a topology, against the baselines")
+    ap.add_argument("topology", help="the ATLAS topology file (JSON)")
+    ap.add_argument("--atlas-model", default=None, help="JSON with the model section (else the topology's)")
+    ap.add_argument("--wan-connections", type=int, default=None,
+                    help="fix the TCP connections per WAN pair (1..64; default: the planner chooses)")
+    ap.add_argument("--sharing", choices=("temporal", "spatial"), default=None,
+                    help="fix the WAN sharing mode (default: the planner chooses)")
+    ap.add_argument("--timeline", metavar="FILE.png", help="draw ATLAS's iteration, one row per GPU")
+    ap.add_argument("--timeline-span", metavar="START:END", type=_span, default=None,
+                    help="draw only this part of the iteration, in seconds (default: all of it)")
+    ap.add_argument("--trace", metavar="FILE.json", help="write ATLAS's iteration as a Chrome trace")
+    ap.add_argument("--bubbletea", action="store_true",
+                    help="add the GPU utilisation with BubbleTea's prefill in the bubbles (launch.bubbletea)")
+    ap.add_argument("--json", action="store_true",
+                    help="print only the plan as JSON (what the launcher exports)")
+    args = ap.parse_args(argv)
+    try:
+        topo = topology_mod.load(args.topology)
+        model = load_model(topo, args.atlas_model)
+        atlas = choose(topo, model, args.wan_connections, args.sharing, DEFAULT_WINDOW)
+        plan = plan_of(topo, model, atlas, DEFAULT_WINDOW)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(plan.to_json())
+        return 0
+    others = compare(topo, model)
+    across = None
+    if not atlas.layout.crosses_wan and len(topo.datacenters) > 1:
+        spanning = (lay for lay in atlas_layouts(topo, model, DEFAULT_WINDOW, args.wan_connections)
+                    if lay.crosses_wan)
+        across = best(topo, model, spanning, DEFAULT_WINDOW,
+                      (args.sharing,) if args.sharing else ("spatial", "temporal"))
+    print(render(plan, topo, model))
+    print(table(model, atlas, others, across))
+    links = [topo.link(plan.stage_dc[s], plan.stage_dc[s + 1]) for s in plan.wan_boundaries()]
+    advice = tcp_advice(links, plan.wan_flows)
+    if advice:
+        print(f"warning: this machine's TCP settings (reported only: the plan assumes a window of "
+              f"{DEFAULT_WINDOW / 2**20:g} MiB per WAN connection, or the topology's window_mb, on the "
+              "hosts):", file=sys.stderr)
+        for line in advice:
+            print(f"  {line}", file=sys.stderr)
+    r = atlas.result
+    title = (f"ATLAS on {topo.source}: pp={plan.pp} tp={plan.tp} dp={plan.dp}, "
+             f"{r.iteration:.3g} s per iteration, GPU utilisation {100 * r.utilisation:.0f}%")
+    ops = list(atlas.result.ops)   # the iteration's ops (launch.plan.timeline.Op)
+    out = summary(topo, model, atlas, others, across)
+    if args.bubbletea:
+        from launch.bubbletea.simulate import for_plan, render_line
+
+        bt = for_plan(topo, model, plan, DEFAULT_WINDOW)
+        print(render_line(bt))
+        ops += [Op(*p.lane, "prefill", p.start, p.end) for p in bt.packing.placements]
+        title += f", {100 * bt.utilisation:.0f}% with BubbleTea's prefill"
+        out["utilisation_bubbletea"] = bt.utilisation
+        out["prefill_tokens_per_s"] = bt.prefill_tokens_per_s
+    if args.timeline:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("error: --timeline needs matplotlib (a commweave requirement): pip install matplotlib",
+                  file=sys.stderr)
+            return 2
+        if args.timeline_span:
+            title += f"; {args.timeline_span[0]:g}-{args.timeline_span[1]:g} s shown"
+        draw(args.timeline, ops, atlas.result.iteration, title, labels(atlas), window=args.timeline_span)
+        print(f"timeline: {args.timeline}")
+    if args.trace:
+        write_trace(args.trace, ops, labels(atlas))
+        print(f"trace: {args.trace}")
+    print(json.dumps(out))
+    return 0
+
+
+def _span(text: str) -> tuple[float, float]:
+    try:
+        a, b = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--timeline-span {text!r}: use START:END in seconds, "
+                                         "e.g. 0:2.5") from None
+    if not 0 <= a < b:
+        raise argparse.ArgumentTypeError(f"--timeline-span {text!r}: need 0 <= START < END")
+    return a, b
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -216,7 +216,7 @@ def causal_work(packing: Packing) -> int:
     return sum(v * (v + 1) // 2 for _, v, _ in packing.spans)
 
 
-def _host_ints(x, name: str) -> list[int] | None:
+def host_ints(x, name: str) -> list[int] | None:
     """A cumulative-lengths argument as Python ints: a 1-d integer tensor (or [1, n], as Megatron-LM's
     batch broadcast gives it), a list or tuple; None stays None."""
     if x is None:
@@ -247,7 +247,7 @@ def from_packed_seq_params(params) -> Packing:
         raise ValueError(f"qkv_format={fmt!r}: packed sequences come as 'thd' (Megatron's THD batch)")
     if getattr(params, "local_cp_size", None) is not None or getattr(params, "cp_group", None) is not None:
         raise ValueError("local_cp_size / cp_group (Megatron's hybrid context parallelism) are not supported")
-    cu_q, cu_kv, pad_q, pad_kv = (_host_ints(t, n) for t, n in zip(keys, ("cu_seqlens_q", "cu_seqlens_kv",
+    cu_q, cu_kv, pad_q, pad_kv = (host_ints(t, n) for t, n in zip(keys, ("cu_seqlens_q", "cu_seqlens_kv",
                                   "cu_seqlens_q_padded", "cu_seqlens_kv_padded"), strict=True))
     if cu_q is None:
         raise ValueError("packed sequences (THD, packed_seq_params) are not supported without cu_seqlens_q "

@@ -10,9 +10,9 @@ loss mask 0, position 0). Megatron-LM's own THD path (``get_thd_batch_on_this_cp
 
 Megatron-LM's GPT datasets pack documents into samples too: with ``--reset-attention-mask`` a document
 ends after each end-of-document token, and the dataset builds a dense [1, s, s] mask of the documents'
-causal blocks (``_get_ltor_masks_and_position_ids``). :func:`cu_seqlens_from_mask` and
-:func:`cu_seqlens_from_eod` read the same documents as cumulative lengths, so the batch can go through
-the THD path (no s x s mask, no score between two documents computed).
+causal blocks (``_get_ltor_masks_and_position_ids``). :func:`documents` reads the same documents as
+cumulative lengths, so the batch can go through the THD path (no s x s mask, no score between two
+documents computed).
 """
 
 from __future__ import annotations
@@ -59,25 +59,24 @@ def get_packed_batch_on_this_cp_rank(batch: dict, cu_seqlens: torch.Tensor,
     return out, params
 
 
-def cu_seqlens_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """The documents of Megatron's dense document mask ([b, 1, s, s] or [1, s, s], True = masked; every
-    batch row the same packing, micro-batch 1 in Megatron-LM's THD path): a document starts at row i
-    where row i may not see key i − 1."""
-    m = attention_mask.reshape(-1, attention_mask.shape[-2], attention_mask.shape[-1])
-    if any(not torch.equal(m[0], x) for x in m[1:]):
-        raise ValueError("the attention mask differs between batch rows: one packing per micro-batch")
-    starts = torch.nonzero(m[0].diagonal(-1)).flatten() + 1
-    return _cumulative(starts, m.shape[-1], m.device)
-
-
-def cu_seqlens_from_eod(tokens: torch.Tensor, eod: int) -> torch.Tensor:
-    """The documents of ``--reset-attention-mask`` data from its tokens [1, s] (or [s]): each ends after an
-    end-of-document token ``eod`` (as _get_ltor_masks_and_position_ids cuts them)."""
-    row = tokens.reshape(-1, tokens.shape[-1])[0]
-    ends = torch.nonzero(row[:-1] == eod).flatten() + 1
-    return _cumulative(ends, row.numel(), row.device)
-
-
-def _cumulative(starts: torch.Tensor, total: int, device) -> torch.Tensor:
-    return torch.cat([torch.zeros(1, dtype=torch.int64, device=device), starts.to(torch.int64),
-                      torch.full((1,), total, dtype=torch.int64, device=device)]).to(torch.int32)
+def documents(batch: dict, eod: int | None = None) -> tuple[dict, torch.Tensor]:
+    """A ``--reset-attention-mask`` batch of b rows as one packed stream of b·s tokens (every tensor [1, b·s],
+    the dense mask dropped) and its documents' cumulative lengths, int32: a document ends after each
+    end-of-document token ``eod``, as Megatron's _get_ltor_masks_and_position_ids cuts them (read from the
+    dense [b, 1, s, s] mask when the batch has one, True = masked: row i starts a document where it may
+    not see key i − 1), and at the end of every row."""
+    mask, tokens = batch.get("attention_mask"), batch["tokens"]
+    b, s = tokens.shape
+    if mask is not None:
+        m = mask.reshape(b, s, s)
+        cut = m.diagonal(-1, dim1=-2, dim2=-1)  # [b, s − 1]: row i + 1 may not see key i
+    elif eod is not None:
+        cut = tokens[:, :-1] == eod
+    else:
+        raise ValueError("the documents of a batch need its dense attention mask or its end-of-document "
+                         "token")
+    starts = [r * s + i + 1 for r in range(b) for i in torch.nonzero(cut[r]).flatten().tolist()]
+    bounds = sorted({0, b * s, *starts, *(r * s for r in range(b))})
+    flat = {key: (None if key == "attention_mask" else v if key in SKIP or v is None else v.reshape(1, b * s))
+            for key, v in batch.items()}
+    return flat, torch.tensor(bounds, dtype=torch.int32, device=tokens.device)

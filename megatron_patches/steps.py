@@ -12,6 +12,7 @@ import math
 import torch
 
 from megatron_patches import packing
+from megatron_patches.block import backward_calls, forward_calls
 from megatron_patches.groups import WallFacerGroups, cached_groups
 from megatron_patches.rowmap import Call, TeamRows, block_calls, team_rows
 
@@ -129,8 +130,7 @@ def attend(run: Run, q_team: int, q, kv, kv_team: int, o, lse, first: bool = Fal
     merged into ``o`` [C, s, b, h, d] (all-gather order) and ``lse`` [b, h, C·s] (sorted).
     ``first``: the calls cover every row and nothing was merged yet, so the blocks are copied."""
     k, v = bhsd(kv[0]), bhsd(kv[1])
-    for q0, q1, k0, k1, diag in run.calls(q_team, kv_team):
-        o_b, lse_b = run.kernel.forward(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], run.scale, diag)
+    for (q0, q1, *_), o_b, lse_b in forward_calls(run.kernel, q, k, v, run.calls(q_team, kv_team), run.scale):
         for res, srt, member, wire in run.pieces(q_team, q0, q1):
             if first:
                 bhsd(o[member, wire]).copy_(o_b[:, :, res])
@@ -148,10 +148,8 @@ def attend_backward(run: Run, q_team: int, qd, o, lse, kv, kv_team: int, dq, dkv
     """
     q, do, o = bhsd(qd[0]), bhsd(qd[1]), bhsd(o)
     k, v = bhsd(kv[0]), bhsd(kv[1])
-    for q0, q1, k0, k1, diag in run.calls(q_team, kv_team):
-        rows, keys = slice(q0, q1), slice(k0, k1)
-        dq_b, dk_b, dv_b = run.kernel.backward(do[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
-                                               o[:, :, rows], lse[:, :, rows], run.scale, diag)
+    blocks = backward_calls(run.kernel, do, q, k, v, o, lse, run.calls(q_team, kv_team), run.scale)
+    for (q0, q1, k0, k1, _), dq_b, dk_b, dv_b in blocks:
         for res, _, member, wire in run.pieces(q_team, q0, q1):
             bhsd(dq[member, wire]).add_(dq_b[:, :, res])
         for res, _, member, wire in run.pieces(kv_team, k0, k1):

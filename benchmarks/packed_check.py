@@ -65,14 +65,16 @@ def _params(lengths, padded, device):
                            cu_seqlens_kv_padded=pad, local_cp_size=None, cp_group=None)
 
 
-def document_attention(q, k, v, doc, scale):
-    """Autograd attention inside each document (causal), in the inputs' dtype: the error baseline and, in
-    fp64, the oracle. [T, b, h, d], K/V heads repeated for GQA; padding rows (doc −1) output 0."""
+def document_attention(q, k, v, doc, scale, causal: bool = True):
+    """Autograd attention of every row to the rows of its document (``doc``: each row's, −1 padding; the
+    earlier ones if causal), in the inputs' dtype: the error baseline and, in fp64, the oracle. q
+    [T, b, h, d], k/v [T, b, g, d] (K/V heads repeated for GQA); padding rows attend nothing, output 0."""
     rep = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
     s = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
     allowed = (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0)
-    allowed &= torch.ones(len(doc), len(doc), dtype=torch.bool, device=doc.device).tril()
+    if causal:
+        allowed &= torch.ones(len(doc), len(doc), dtype=torch.bool, device=doc.device).tril()
     p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
     return torch.einsum("bhst,tbhd->sbhd", p.to(v.dtype), v)
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from benchmarks.packed_check import document_attention
 from commweave import ledger
 from megatron_patches import packing
 from megatron_patches.block import ReferenceKernel
@@ -44,19 +45,6 @@ def doc_of(pack: packing.Packing, rows: int) -> torch.Tensor:
     for d, (start, valid, _) in enumerate(pack.spans):
         doc[start:start + valid] = d
     return doc
-
-
-def document_attention(q, k, v, doc, scale, causal):
-    """The oracle: softmax attention of every row to the rows of its document (earlier ones if causal);
-    padding rows attend nothing and output 0. q [T, b, h, d], k/v [T, b, g, d]."""
-    rep = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
-    s = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
-    allowed = (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0)
-    if causal:
-        allowed &= torch.ones(len(doc), len(doc), dtype=torch.bool).tril()
-    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
-    return torch.einsum("bhst,tbhd->sbhd", p, v)
 
 
 def _case(batch, u, c, causal, hq, hkv, mode, team_qkv, layout, b=2, d=8):

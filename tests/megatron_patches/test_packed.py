@@ -15,7 +15,9 @@ from benchmarks.packed_check import document_attention
 from commweave import ledger
 from megatron_patches import packing
 from megatron_patches.block import ReferenceKernel
-from megatron_patches.layout import valid_team_sizes
+from megatron_patches.hybrid import outer_shards
+from megatron_patches.layout import Layout, valid_team_sizes
+from megatron_patches.rowmap import rank_scores
 from megatron_patches.wallfacer import wallfacer_attention
 from tests.megatron_patches.test_wallfacer import _global_inputs
 
@@ -132,6 +134,10 @@ def _work_case(lengths, c, u, mode):
     return kernel.forward_scores, kernel.backward_scores
 
 
+def _cu(lengths) -> list[int]:
+    return [0, *torch.tensor(lengths).cumsum(0).tolist()]
+
+
 def _random_lengths(seed: int, total: int) -> list[int]:
     rng, lengths = random.Random(seed), []
     while sum(lengths) < total:
@@ -146,12 +152,15 @@ def test_each_rank_computes_its_documents_share_within_10_percent(world):
     the mean: ring, WallFacer C = 2, the hybrid U = 2 (its ranks attend h/U heads: the same rows)."""
     for seed in range(3):
         lengths = _random_lengths(seed, 3000)
-        want = packing.causal_work(packing.from_cu_seqlens([0, *torch.tensor(lengths).cumsum(0).tolist()]))
+        want = packing.causal_work(packing.from_cu_seqlens(_cu(lengths)))
         for c, u, mode in ((1, 1, "kv"), (2, 1, "q"), (1, 2, "kv")):
             work = world.run(_work_case, lengths, c, u, mode)
             fwd = [f for f, _ in work]
             assert [b for _, b in work] == fwd, work
             assert sum(fwd) == want * u, (c, u, fwd, want)  # U members attend the same rows
+            shards = packing.shards(packing.from_cu_seqlens(_cu(lengths)), "zigzag", 4)
+            plan = rank_scores(outer_shards(shards, u) if u > 1 else shards, Layout(4 // u, c))
+            assert fwd == [plan[r // u] for r in range(4)], (fwd, plan)  # what the benchmark's table shows
             mean = sum(fwd) / len(fwd)
             assert max(abs(f - mean) for f in fwd) <= 0.10 * mean, (seed, c, u, fwd)
 

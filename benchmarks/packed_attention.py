@@ -27,12 +27,12 @@ import json
 import os
 import random
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from benchmarks.packed_check import document_attention
+from benchmarks.rounds import interleaved
 from commweave.world import World
 from megatron_patches import packing
 from megatron_patches.hybrid import outer_shards
@@ -95,17 +95,7 @@ def _measure(lengths, b: int, h: int, d: int, rounds: int):
             o = step()
             err = (o.detach().double() - want).abs().max().item() if form == "packed" else None
             out[name, form] = {"err": err, "step": step, "times": [], "cpu": []}
-    keys = list(out)
-    for i in range(rounds):  # rows interleaved, each round starting one row later (no order bias)
-        for r in (out[key] for key in keys[i % len(keys):] + keys[:i % len(keys)]):
-            dist.barrier()
-            t, c = time.perf_counter(), time.process_time()
-            r["step"]()
-            r["cpu"].append(time.process_time() - c)
-            dist.barrier()
-            r["times"].append(time.perf_counter() - t)
-    for r in out.values():
-        del r["step"]
+    interleaved(out, rounds)
     return out
 
 

@@ -2,7 +2,7 @@
 and merged into the running output (forward), one block's gradients added into the accumulators.
 
 Shape legend as in wallfacer.py: s local rows, b batch, h query heads, g K/V heads, d head dim, C team
-size; "team" tensors hold the team's C·s rows sorted by chunk id (layout.py).
+size; "team" tensors hold the team's C·s rows sorted by stream position (rowmap.py).
 """
 
 from __future__ import annotations

@@ -100,6 +100,19 @@ def test_packed_exact_against_document_attention_p4(world):
     assert not bad, f"over {TOL} (batch, U, C, causal, hq, hkv, backward, team_qkv, layout): {bad}"
 
 
+@pytest.mark.world_size(8)
+def test_packed_exact_against_document_attention_p8(world):
+    """P = 8: C = 2 (G = 2 sub-ring steps), the hybrid U = 2 with C = 2 and U = 4, both backwards."""
+    cases = [("mixed", 1, 2, True, 4, 2, "kv", "rebuild", "zigzag"),
+             ("one long", 1, 2, True, 4, 2, "q", "keep", "zigzag"),
+             ("short docs", 2, 2, True, 4, 2, "q", "rebuild", "zigzag"),
+             ("te padded", 4, 1, True, 4, 4, "kv", "keep", "zigzag"),
+             ("mixed", 1, 1, False, 4, 1, "kv", "auto", "contiguous")]
+    results = world.run(_numerics, cases)
+    bad = {case: err for case in cases if (err := max(max(r[case]) for r in results)) > TOL}
+    assert not bad, f"over {TOL}: {bad}"
+
+
 class CountingKernel(ReferenceKernel):
     """The reference kernel, counting the scores each call computes (a causal n x n block: n(n+1)/2)."""
 

@@ -11,7 +11,10 @@
 #               Parm's layer on one GPU)
 #   5. bench    python -m benchmarks.dispatch --device cuda: ours vs DeepSpeed's sparse path, megatron-core's
 #               permute/unpermute and a device-to-device copy
-#   6. parm     python -m benchmarks.parm_gpu_check --device cuda (block "Parm checks" below): a bf16 ParmMoE
+#   6. packed   python -m benchmarks.packed_check --device cuda (block "WallFacer packed sequences" below): a
+#               packed batch of documents through wallfacer_attention on one GPU (flash-attn's varlen path
+#               when it imports, sdpa per document) against fp64 attention inside each document
+#   7. parm     python -m benchmarks.parm_gpu_check --device cuda (block "Parm checks" below): a bf16 ParmMoE
 #               forward+backward and a no_grad "auto" forward against DeepSpeed's MoE; dispatch/combine with
 #               hidden sizes 33 and 65, a storage-offset view and a non-default stream against the reference
 # Each step prints PASS, FAIL or SKIP with its time; a failed step skips the ones that need it. The whole
@@ -134,8 +137,9 @@ run_gpu() {
     say "commweave GPU check on $(uname -n), $(date -u +%FT%TZ), OUT=$out"
     step gpu 60 gpu_info || { skip wheels "no usable GPU"; skip build "no usable GPU"; skip tests "no usable GPU"
                               skip bench "no usable GPU"; skip wallfacer_blocks "no usable GPU"
-                              skip parm "no usable GPU"; return; }
+                              skip wallfacer_packed "no usable GPU"; skip parm "no usable GPU"; return; }
     step wallfacer_blocks 180 wallfacer_blocks
+    step wallfacer_packed 180 wallfacer_packed
     local have_wheels=1
     if compgen -G ".whl/*.whl" > /dev/null; then
         step wheels 180 install_wheels || have_wheels=0
@@ -237,6 +241,7 @@ run_dry() {
     step tests 300 collect_cuda_tests
     step bench 300 tiny_bench
     step wallfacer_blocks 300 wallfacer_blocks_dry
+    step wallfacer_packed 300 wallfacer_packed_dry
     step parm 300 parm_checks_cpu
 }
 
@@ -254,6 +259,23 @@ wallfacer_blocks_dry() {
     "$python" -m benchmarks.block_check --device cpu
 }
 # --- end of the WallFacer block ----------------------------------------------------------------------------
+
+# --- WallFacer packed sequences (issue 21, item 6) ---------------------------------------------------------
+# wallfacer_packed: benchmarks/packed_check.py on the GPU: one packed batch (THD, 9 documents of 1 … 700
+# tokens, spans padded and not) through wallfacer_attention on one GPU — flash-attn's varlen functions, all
+# documents in one call, when flash-attn imports; sdpa one call per document — forward + backward against
+# fp64 attention inside each document (at most twice naive same-dtype attention's error), and its time
+# against one dense causal call over the same tokens; needs only torch (no wheels, no build). Its CPU twin
+# and the varlen path against a strict flash-attn stand-in run in tests/benchmarks/test_packed_check.py.
+wallfacer_packed() {
+    "$python" -m benchmarks.packed_check --device cuda 2>&1 | tee "$out/wallfacer_packed.txt"
+    return "${PIPESTATUS[0]}"
+}
+
+wallfacer_packed_dry() {
+    "$python" -m benchmarks.packed_check --device cpu
+}
+# --- end of the WallFacer packed sequences -----------------------------------------------------------------
 
 # --- Parm checks (issue 9 item 8) --------------------------------------------------------------------------
 # The checks live in benchmarks/parm_gpu_check.py; without deepspeed (no wheels) its layer checks SKIP and

@@ -2,7 +2,8 @@
 
 ``wallfacer_attention`` (the functional core) needs only torch; the Megatron pieces
 (``WallFacerAttention``, ``get_gpt_layer_wallfacer_spec``, ``add_wallfacer_args``,
-``WallFacerConfig``) import megatron-core on first use.
+``WallFacerConfig``, ``watch_positions``, ``get_packed_batch_on_this_cp_rank``) import megatron-core on
+first use.
 """
 
 from megatron_patches.wallfacer import wallfacer_attention
@@ -11,6 +12,8 @@ _LAZY = {
     "WallFacerAttention": "megatron_patches.attention",
     "get_gpt_layer_wallfacer_spec": "megatron_patches.attention",
     "with_wallfacer": "megatron_patches.attention",
+    "watch_positions": "megatron_patches.attention",
+    "get_packed_batch_on_this_cp_rank": "megatron_patches.packed_batch",
     "add_wallfacer_args": "megatron_patches.args",
     "WallFacerConfig": "megatron_patches.args",
 }

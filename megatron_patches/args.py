@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from commweave import comm
 from megatron_patches.block import KERNELS
 from megatron_patches.hybrid import ulysses_error
-from megatron_patches.layout import team_size_error
+from megatron_patches.layout import LAYOUTS, team_size_error
 from megatron_patches.placement import NETWORKS, PLACEMENTS, Topology
 from megatron_patches.wallfacer import BACKWARDS, TEAM_QKV
 
@@ -63,6 +63,10 @@ class WallFacerConfig:
     """Dense bf16 TFLOP/s of one rank (for "auto"; placement.Calibration says what attention gets)."""
     network: str = "ib"
     """ib (RDMA: InfiniBand, RoCE) or ethernet (TCP sockets), for "auto" (placement.Calibration)."""
+    layout: str = "zigzag"
+    """Which tokens each CP rank holds: zigzag (Megatron's get_batch_on_this_cp_rank, and per document for
+    packed batches: get_thd_batch_on_this_cp_rank / packed_batch.get_packed_batch_on_this_cp_rank) or
+    contiguous (rank r holds positions [r·s, (r+1)·s): a data path of one's own, DeepSpeed-Ulysses')."""
     context_parallel_size: int | None = None
     """P, when known at parse time: the module checks it against its CP group."""
     timeout_s: float | None = None
@@ -73,7 +77,7 @@ class WallFacerConfig:
         if self.team_size != "auto" and (not isinstance(self.team_size, int) or self.team_size < 1):
             raise ValueError(f"wallfacer team_size={self.team_size!r} must be an int >= 1 or 'auto'")
         for name, allowed in (("placement", PLACEMENTS), ("kernel", KERNELS), ("backward", BACKWARDS),
-                              ("team_qkv", TEAM_QKV), ("network", tuple(NETWORKS))):
+                              ("team_qkv", TEAM_QKV), ("network", tuple(NETWORKS)), ("layout", LAYOUTS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"wallfacer {name}={getattr(self, name)!r} is not one of {allowed}")
         if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int)
@@ -115,7 +119,7 @@ class WallFacerConfig:
         seq = getattr(args, "seq_length", None)
         if seq is not None and seq % (2 * p):
             raise ValueError(f"--seq-length {seq} must be divisible by 2 x --context-parallel-size = "
-                             f"{2 * p}: WallFacer's zigzag layout gives each CP rank two of 2P chunks")
+                             f"{2 * p}: WallFacer's layouts give each CP rank two of 2P chunks")
         heads, tp = args.num_attention_heads, getattr(args, "tensor_model_parallel_size", 1) or 1
         groups = getattr(args, "num_query_groups", None) or heads
         if heads % groups or heads % tp or (groups % tp and tp % groups):
@@ -146,7 +150,8 @@ class WallFacerConfig:
                    team_qkv=args.wallfacer_team_qkv, ulysses_size=args.wallfacer_ulysses_size,
                    ranks_per_node=args.wallfacer_ranks_per_node,
                    bandwidth_gbytes=tuple(args.wallfacer_bandwidth), latency_us=tuple(args.wallfacer_latency),
-                   tflops=args.wallfacer_tflops, network=args.wallfacer_network, context_parallel_size=p,
+                   tflops=args.wallfacer_tflops, network=args.wallfacer_network,
+                   layout=getattr(args, "wallfacer_layout", "zigzag"), context_parallel_size=p,
                    timeout_s=getattr(args, "commweave_timeout_s", None))
 
 
@@ -185,6 +190,9 @@ def add_wallfacer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="U: head all-to-all over U consecutive CP ranks, WallFacer over the P/U groups "
                         "(1 = WallFacer alone; auto: the cost model picks U, and C with "
                         "--wallfacer-team-size auto, from the cluster arguments below).")
+    g.add_argument("--wallfacer-layout", choices=LAYOUTS, default=d.layout,
+                   help="Which tokens each CP rank holds: zigzag (Megatron's data path, per document for "
+                        "packed batches) or contiguous.")
     g.add_argument("--wallfacer-ranks-per-node", type=int, default=d.ranks_per_node,
                    help="GPUs per node (default: LOCAL_WORLD_SIZE).")
     g.add_argument("--wallfacer-bandwidth", type=float, nargs=3, default=list(d.bandwidth_gbytes),

@@ -3,13 +3,16 @@
 Drop-in for ``DotProductAttention`` / ``TEDotProductAttention`` (megatron-core 0.16.1): same
 constructor and forward signature, swapped in declaratively through the layer ModuleSpec's
 ``core_attention`` (wallfacer.md §14). Megatron hands it, per CP rank, the zigzag-ordered rows
-(``get_batch_on_this_cp_rank``) with RoPE already applied:
+(``get_batch_on_this_cp_rank``; ``WallFacerConfig.layout`` says which layout the data path uses) with
+RoPE already applied:
 
     query [s/CP, b, np, hn]; key, value [s/CP, b, ng, hn] (GQA un-expanded)  ->  [s/CP, b, np·hn]
+    packed (THD, packed_seq_params): query [t, np, hn], key, value [t, ng, hn]  ->  [t, np·hn]
 
-Supported: causal and no-mask self-attention, GQA/MQA, any TP, fp16/bf16/fp32. Refused with a
-ValueError: attention dropout, packed sequences (THD), explicit masks or biases, sliding windows,
-softmax offsets, cross-attention, and other cp_comm_types.
+Supported: causal and no-mask self-attention, GQA/MQA, any TP, fp16/bf16/fp32, packed batches
+(documents attend only themselves; packed_batch.py shards them). Refused with a ValueError: attention
+dropout, explicit masks or biases, sliding windows, softmax offsets, cross-attention, and other
+cp_comm_types. :func:`watch_positions` lets the module check the position ids against the layout.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from commweave import comm
+from megatron_patches import packing
 from megatron_patches.args import CP_COMM_TYPES, WallFacerConfig
 from megatron_patches.block import acc_dtype
 from megatron_patches.checks import check_inputs
@@ -76,7 +80,8 @@ def plan_layout(cfg: WallFacerConfig, cp_ranks: list[int], world_size: int, q_sh
     nodes = nodes_of(cp_ranks, cfg.node_size(world_size))
     auto = "auto" in (cfg.team_size, cfg.placement, cfg.ulysses_size)
     return choose_hybrid(len(cp_ranks), sh, nodes, cfg.topology(world_size) if auto else None, causal,
-                         ulysses_size=cfg.ulysses_size, team_size=cfg.team_size, placement=cfg.placement)
+                         ulysses_size=cfg.ulysses_size, team_size=cfg.team_size, placement=cfg.placement,
+                         layout=cfg.layout)
 
 
 class WallFacerAttention(MegatronModule):
@@ -127,6 +132,7 @@ class WallFacerAttention(MegatronModule):
         self.softmax_scale = megatron_softmax_scale(config, softmax_scale)
         self.deterministic = bool(config.deterministic_mode)
         self._plans: dict[tuple, Plan] = {}
+        self.positions = None  # this rank's position ids of the current forward, when watched
 
     def _layout(self, query, key, causal: bool) -> tuple[Plan, bool]:
         """The plan (U, C, WallFacer's layout over the P/U groups) for these shapes, and whether this is
@@ -148,8 +154,12 @@ class WallFacerAttention(MegatronModule):
                 attention_bias=None, packed_seq_params=None):
         """[sq, b, np, hn] queries, [sk, b, ng, hn] keys/values → [sq, b, np·hn]."""
         mask = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        thd = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
+        if thd and query.dim() == 3:  # Megatron squeezed the batch dim of [t, 1, ·, d]
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
+        packed_error = _packed_error(packed_seq_params)
         refusals = {
-            "packed sequences (THD, packed_seq_params) are not supported": packed_seq_params is not None,
+            str(packed_error): packed_error is not None,
             "attention_bias is not supported": attention_bias is not None,
             "explicit attention masks are not supported; the mask type (causal or no_mask) says it all. In "
             "Megatron-LM pass --no-create-attention-mask-in-dataloader": attention_mask is not None,
@@ -157,18 +167,48 @@ class WallFacerAttention(MegatronModule):
         }
         refusal = next((reason for reason, refused in refusals.items() if refused), None)
         if refusal is not None:  # raised on every CP rank: the others are in their first call's input check
-            check_inputs(query, key, value, self.cp_group, 1, True, None, "zigzag",
+            check_inputs(query, key, value, self.cp_group, 1, True, None, self.wallfacer.layout,
                          error=f"WallFacerAttention: {refusal}")
         plan, first = self._layout(query, key, _MASKS[mask])
         lay = plan.layout
+        # A packed batch's documents change from batch to batch: they are agreed (and checked) every call.
+        check = first or packed_seq_params is not None
         out = wallfacer_attention(query, key, value, self.cp_group, lay.team_size, causal=_MASKS[mask],
                                   softmax_scale=self.softmax_scale, layout=lay.layout, order=lay.order,
                                   kernel=self.wallfacer.kernel, backward=self.wallfacer.backward,
                                   team_qkv=resolve_team_qkv(self.wallfacer.team_qkv, lay.team_size,
                                                             self.recomputed),
-                                  ulysses_size=plan.ulysses_size, check=first,
-                                  deterministic=self.deterministic)
-        return out.reshape(out.shape[0], out.shape[1], -1)
+                                  ulysses_size=plan.ulysses_size, check=check,
+                                  deterministic=self.deterministic, packed_seq_params=packed_seq_params,
+                                  positions=self.positions if check else None)
+        return out.reshape(out.shape[0], -1) if thd else out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def _packed_error(params) -> str | None:
+    if params is None:
+        return None
+    try:
+        packing.from_packed_seq_params(params)
+    except ValueError as e:
+        text = str(e)
+        return text if text.startswith("packed sequences") else f"packed_seq_params: {text}"
+    return None
+
+
+def watch_positions(model) -> None:
+    """Let every WallFacerAttention of ``model`` (a GPTModel, or anything whose forward takes
+    ``position_ids`` as its second argument or keyword) see the position ids of each forward: the first
+    call of each shape (every call of a packed batch) then checks them against the layout on every CP
+    rank (wallfacer_attention's ``positions``), so that a batch sharded in another layout raises instead of
+    training on a wrong attention. Costs one comparison of this rank's s integers per checked call."""
+    cores = [m for m in model.modules() if isinstance(m, WallFacerAttention)]
+
+    def hook(module, args, kwargs):
+        positions = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+        for core in cores:
+            core.positions = positions
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _layer_specs(spec) -> list:

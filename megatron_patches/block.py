@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import inspect
+import itertools
 import math
 from typing import ClassVar
 
@@ -198,6 +199,14 @@ class FlashKernel:
         self._fwd, self._bwd = interface._flash_attn_forward, interface._flash_attn_backward
         self._fwd_params = inspect.signature(self._fwd).parameters
         self._bwd_params = inspect.signature(self._bwd).parameters
+        # Varlen (many blocks in one call: a packed batch's documents, forward_calls): flash-attn 2.x's
+        # _flash_attn_varlen_forward / _backward, [total, h, d] with int32 cu_seqlens.
+        self.varlen = hasattr(interface, "_flash_attn_varlen_forward")
+        if self.varlen:
+            self._vfwd = interface._flash_attn_varlen_forward
+            self._vbwd = interface._flash_attn_varlen_backward
+            self._vfwd_params = inspect.signature(self._vfwd).parameters
+            self._vbwd_params = inspect.signature(self._vbwd).parameters
 
     # Arguments WallFacer never varies, by the names the flash-attn releases have used.
     _FIXED: ClassVar[dict] = {"window_size_left": -1, "window_size_right": -1, "window_size": (-1, -1),
@@ -229,6 +238,115 @@ class FlashKernel:
                    softmax_lse=_lse_for_library(lse), dq=dq, dk=dk, dv=dv, softmax_scale=scale,
                    causal=causal, deterministic=self.deterministic)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    def forward_varlen(self, q, k, v, segs, scale, causal):
+        """Blocks ``segs`` = [(q0, q1, k0, k1)] of [b, h, ·, d] views in one call: O [b, h, Σq, d] and lse
+        [b, h, Σq] over the query segments one after the other (batch rows are segments too)."""
+        (qv,), cu = _varlen_pack(segs, q)
+        (kv, vv), _ = _varlen_pack(segs, k, v, keys=True)
+        out = self._call(self._vfwd, self._vfwd_params, q=qv, k=kv, v=vv, **cu, softmax_scale=scale,
+                         causal=causal)
+        lse = out[5] if len(out) == 8 else out[1]
+        nq = qv.shape[0] // q.shape[0]
+        self._padded_lse = lse.dim() == 3  # flash-attn < 2.5: [segments, h, max_seqlen_q], per segment
+        if self._padded_lse:
+            lse = torch.cat([lse[i, :, :n] for i, n in enumerate(cu["lengths_q"])], 1)
+        return (_varlen_unpack(out[0], q.shape[0]), lse.view(lse.shape[0], q.shape[0], nq).permute(1, 0, 2))
+
+    def backward_varlen(self, do, q, k, v, o, lse, segs, scale, causal):
+        """The gradients of forward_varlen's blocks: dQ [b, h, Σq, d] (query segments in order), dK, dV
+        [b, g, Σk, d] (key segments in order; a key row in two segments is in both)."""
+        (dov, qv, ov), cu = _varlen_pack(segs, do, q, o)
+        (kv, vv), _ = _varlen_pack(segs, k, v, keys=True)
+        lse_q = torch.cat([lse[:, :, a:b] for a, b, _, _ in segs], 2)  # [b, h, Σq]
+        lse_v = lse_q.permute(1, 0, 2).reshape(lse.shape[1], -1).float().contiguous()  # [h, b·Σq]
+        if getattr(self, "_padded_lse", False):  # as this flash-attn's forward returned it
+            lse_v = _varlen_lse_padded(lse_v, cu["lengths_q"], cu["max_seqlen_q"])
+        dq, dk, dv = torch.empty_like(qv), torch.empty_like(kv), torch.empty_like(vv)
+        self._call(self._vbwd, self._vbwd_params, dout=dov, q=qv, k=kv, v=vv, out=ov, softmax_lse=lse_v,
+                   dq=dq, dk=dk, dv=dv, **cu, softmax_scale=scale, causal=causal,
+                   deterministic=self.deterministic)
+        b = q.shape[0]
+        return _varlen_unpack(dq, b), _varlen_unpack(dk, b), _varlen_unpack(dv, b)
+
+
+def _varlen_pack(segs, *ts, keys: bool = False):
+    """Segments of [b, heads, rows, d] views (query rows of ``segs``, or key rows with ``keys``) as flash
+    varlen tensors [b·Σ, heads, d] (batch row after batch row), and the cumulative lengths of the b·n
+    segments (int32) with the longest segment, as the library's keyword arguments."""
+    b = ts[0].shape[0]
+    ranges = [(k0, k1) if keys else (q0, q1) for q0, q1, k0, k1 in segs]
+    packed = [torch.cat([t[:, :, a:z] for a, z in ranges], 2).transpose(1, 2).reshape(-1, *t.shape[1:2],
+                                                                                        t.shape[3])
+              for t in ts]
+    packed = [p if p.is_contiguous() else p.contiguous() for p in packed]
+    lq, lk = [q1 - q0 for q0, q1, _, _ in segs], [k1 - k0 for _, _, k0, k1 in segs]
+    device = ts[0].device
+    cu = {"cu_seqlens_q": _cumulative(lq * b, device), "cu_seqlens_k": _cumulative(lk * b, device),
+          "max_seqlen_q": max(lq), "max_seqlen_k": max(lk), "lengths_q": lq * b}
+    return packed, cu
+
+
+def _cumulative(lengths: list[int], device) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def _varlen_unpack(t: torch.Tensor, b: int) -> torch.Tensor:
+    """[b·Σ, heads, d] → [b, heads, Σ, d] (a view)."""
+    return t.view(b, -1, *t.shape[1:]).transpose(1, 2)
+
+
+def _varlen_lse_padded(lse: torch.Tensor, lengths: list[int], longest: int) -> torch.Tensor:
+    """[h, total] → flash-attn < 2.5's [segments, h, longest], zero-padded."""
+    out = lse.new_zeros(len(lengths), lse.shape[0], longest)
+    for i, (a, n) in enumerate(zip(itertools.accumulate([0, *lengths]), lengths, strict=False)):
+        out[i, :, :n] = lse[:, a:a + n]
+    return out
+
+
+def _groups(kernel, calls):
+    """The calls as kernel invocations: one varlen call per mask kind (full, causal diagonal) when the
+    kernel has one and there are several, else one call each, in order."""
+    if not getattr(kernel, "varlen", False):
+        return [(c[4], [c]) for c in calls]
+    out = []
+    for diag in (False, True):
+        group = [c for c in calls if c[4] == diag]
+        if len(group) > 1:
+            out.append((diag, group))
+        else:
+            out += [(diag, [c]) for c in group]
+    return out
+
+
+def forward_calls(kernel, q, k, v, calls, scale):
+    """(call, O, lse) of each block call (q0, q1, k0, k1, diagonal) of [b, h, ·, d] views (rowmap.py):
+    a packed batch's documents go to a varlen kernel together."""
+    for diag, group in _groups(kernel, calls):
+        if len(group) == 1:
+            q0, q1, k0, k1, _ = group[0]
+            yield (group[0], *kernel.forward(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], scale, diag))
+            continue
+        o, lse = kernel.forward_varlen(q, k, v, [c[:4] for c in group], scale, diag)
+        for c, off in zip(group, itertools.accumulate([0] + [c[1] - c[0] for c in group]), strict=False):
+            yield c, o[:, :, off:off + c[1] - c[0]], lse[:, :, off:off + c[1] - c[0]]
+
+
+def backward_calls(kernel, do, q, k, v, o, lse, calls, scale):
+    """(call, dQ, dK, dV) of each block call, as forward_calls; dK, dV over the call's key rows."""
+    for diag, group in _groups(kernel, calls):
+        if len(group) == 1:
+            q0, q1, k0, k1, _ = group[0]
+            rows, keys = slice(q0, q1), slice(k0, k1)
+            yield (group[0], *kernel.backward(do[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                                              o[:, :, rows], lse[:, :, rows], scale, diag))
+            continue
+        dq, dk, dv = kernel.backward_varlen(do, q, k, v, o, lse, [c[:4] for c in group], scale, diag)
+        qo = itertools.accumulate([0] + [c[1] - c[0] for c in group])
+        ko = itertools.accumulate([0] + [c[3] - c[2] for c in group])
+        for c, a, z in zip(group, qo, ko, strict=False):
+            n, m = c[1] - c[0], c[3] - c[2]
+            yield c, dq[:, :, a:a + n], dk[:, :, z:z + m], dv[:, :, z:z + m]
 
 
 def have_flash_attn() -> bool:

@@ -16,8 +16,8 @@ The kernel and ``deterministic`` may differ between ranks (they change a rank's 
 sends): they are not compared.
 
 Field layout (``_encode``): q, k, v shapes (5 each: rank, 4 sizes), 3 dtype codes, team size, an
-options word (layout | backward << 2 | refused << 8), causal | the order's CRC-32 << 1, and the softmax
-scale's bits.
+options word (layout | backward << 2 | refused << 8), causal | the order's CRC-32 << 1, the softmax
+scale's bits, and the packed batch's documents (their CRC-32, 0 when dense; the stream's tokens).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from megatron_patches.layout import LAYOUTS, team_size_error
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKWARDS = ("auto", "kv", "q")
-_FIELDS = 22  # see _encode
+_FIELDS = 24  # see _encode
+_INT_RANGE = 2 ** 31  # team sizes (and the hybrid's U) beyond this are refused locally: never sent
 
 
 def _shape(t) -> list[int]:
@@ -61,16 +62,28 @@ def _order_crc(order) -> int:
         return 0
 
 
+def _packing_key(pack) -> list[int]:
+    """[CRC-32 of the documents' spans, stream tokens]: [0, 0] for a dense sequence."""
+    if pack is None:
+        return [0, 0]
+    flat = [x for span in pack.spans for x in span]
+    return [zlib.crc32(struct.pack(f"<{len(flat)}q", *flat)) | 1, pack.total]
+
+
 def _encode(q, k, v, team_size: int, causal: bool, scale: float | None, layout: str, *,
-            backward: str = "auto", order=None, refused: bool = False) -> list[int]:
+            backward: str = "auto", order=None, refused: bool = False, pack=None) -> list[int]:
     try:
         scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0] if scale is not None else 0
     except (TypeError, ValueError):
         scale_bits = struct.unpack("<q", struct.pack("<d", float("nan")))[0]
     options = _code(layout, LAYOUTS, 3) | _code(backward, BACKWARDS, 3) << 2 | int(refused) << 8
-    team = team_size if isinstance(team_size, int) and not isinstance(team_size, bool) else -1
+    team = team_size if _int_in_range(team_size) else -1
     return (_shape(q) + _shape(k) + _shape(v) + [_dtype_code(t) for t in (q, k, v)]
-            + [team, options, int(bool(causal)) | _order_crc(order) << 1, scale_bits])
+            + [team, options, int(causal is True) | _order_crc(order) << 1, scale_bits] + _packing_key(pack))
+
+
+def _int_in_range(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and -_INT_RANGE < x < _INT_RANGE
 
 
 def _options(m: list[int]) -> dict:
@@ -90,7 +103,8 @@ def _describe(m: list[int]) -> str:
     return (f"q {shape(0)} {dts[0]}, k {shape(5)} {dts[1]}, v {shape(10)} {dts[2]}, team_size={m[18]}, "
             f"layout={o['layout']}, causal={o['causal']}, "
             f"softmax_scale={struct.unpack('<d', struct.pack('<q', m[21]))[0] if m[21] else None}, "
-            f"backward={o['backward']}, order={o['order']}")
+            f"backward={o['backward']}, order={o['order']}"
+            + (f", packed: {m[23]} tokens, documents crc {m[22]:08x}" if m[22] else ""))
 
 
 def _rule_error(m: list[int], world: int, layout: str) -> str | None:
@@ -116,7 +130,13 @@ def _rule_error(m: list[int], world: int, layout: str) -> str | None:
     error = team_size_error(world, m[18])
     if error:
         return error
-    if sq % 2:
+    if m[22]:  # packed: the layout's rows per rank for a stream of m[23] tokens (packing.rows_per_rank)
+        rows = -(-m[23] // world)
+        if sq != rows:
+            return (f"the packed batch is a stream of {m[23]} tokens: every rank holds ⌈{m[23]}/P⌉ = {rows} "
+                    f"rows of it in the {_options(m)['layout']} layout "
+                    f"(packing.get_packed_batch_on_this_cp_rank), got s_local = {sq}")
+    elif sq % 2:
         return (f"sequence length {world * sq} (= P·s_local = {world}·{sq}) must be divisible by 2·P = "
                 f"{2 * world}: the {_options(m)['layout']} layout cuts it into 2P chunks, "
                 f"two per rank")
@@ -145,10 +165,19 @@ def input_error(metas: list[list[int]], layout: str) -> str | None:
 
 
 def refusal(q, team_size, softmax_scale, world: int, *, layout: str = "zigzag", backward: str = "auto",
-            kernel="auto", order=None, deterministic: bool = False) -> str | None:
-    """What this rank alone can tell is wrong with its arguments (the value is only known here), or None."""
+            kernel="auto", order=None, deterministic: bool = False, causal: bool = True) -> str | None:
+    """What this rank alone can tell is wrong with its arguments (the value is only known here), or None.
+
+    Integers that could not travel as int64 are refused here, so the agreement only ever carries values
+    in range; flags must be bools (a string such as "false" is truthy and would silently mean True)."""
     if not isinstance(team_size, int) or isinstance(team_size, bool):
         return f"team_size={team_size!r} must be an integer (C, C² dividing P={world})"
+    if not 1 <= team_size <= world:
+        return team_size_error(world, team_size)
+    for name, flag in (("causal", causal), ("deterministic", deterministic)):
+        if not isinstance(flag, bool):
+            return (f"{name}={flag!r} must be a bool (True or False); strings and numbers are refused, not "
+                    f"read as truth values")
     number = isinstance(softmax_scale, int | float) and not isinstance(softmax_scale, bool)
     if softmax_scale is not None and not (number and math.isfinite(softmax_scale) and softmax_scale > 0):
         return f"softmax_scale={softmax_scale!r} must be a finite number > 0 or None (1/sqrt(head_dim))"
@@ -174,18 +203,19 @@ def refusal(q, team_size, softmax_scale, world: int, *, layout: str = "zigzag", 
 
 def check_inputs(q, k, v, group, team_size: int, causal: bool, softmax_scale: float | None,
                  layout: str, *, backward: str = "auto", kernel="auto", order=None,
-                 deterministic: bool = False, error: str | None = None) -> None:
+                 deterministic: bool = False, error: str | None = None, packing=None) -> None:
     """Raise the same ValueError on every rank of ``group`` if any rank's inputs break a rule.
 
     ``error``: a refusal the caller made itself (WallFacerAttention's forward), raised on every rank.
-    One all-gather of 22 int64 per rank over ``group`` (the only communication before the checks; one
+    ``packing``: the packed batch's documents (packing.Packing), compared across ranks by checksum.
+    One all-gather of 24 int64 per rank over ``group`` (the only communication before the checks; one
     more, with the message, when a rank refused its arguments, see :func:`refusal`).
     """
     world = comm.size(group)
     refused = error or refusal(q, team_size, softmax_scale, world, layout=layout, backward=backward,
-                               kernel=kernel, order=order, deterministic=deterministic)
+                               kernel=kernel, order=order, deterministic=deterministic, causal=causal)
     mine = _encode(q, k, v, team_size, causal, softmax_scale, layout, backward=backward, order=order,
-                   refused=refused is not None)
+                   refused=refused is not None, pack=packing)
     if world == 1:
         metas = [mine]
     else:

@@ -8,12 +8,12 @@ C over the P' = P/U groups, on U·s rows and h/U heads (wallfacer.md §10, as US
 Ulysses on a ring; WallFacer's sub-rings in place of the ring are new).
 
 Rows. CP rank r = γ·U + m is member m of Ulysses group γ and rank γ of the *outer* group m (the U
-outer groups are the ranks with the same m: they hold the same heads). With Megatron's zigzag
-layout rank r holds chunks r and 2P−1−r of 2P; group γ then holds chunks γU … γU+U−1 and
-2P−1−γU−(U−1) … 2P−1−γU, i.e. coarse chunks γ and 2P'−1−γ of 2P' (a coarse chunk is U chunks): the
-zigzag layout over P' ranks. After the all-to-all the U members' rows are put in ascending chunk
-order (low chunks by member 0…U−1, high chunks by U−1…0), which is what WallFacer expects of P'
-ranks. The contiguous layout maps to the contiguous layout the same way (member order as is).
+outer groups are the ranks with the same m: they hold the same heads). After the all-to-all outer rank
+γ holds the U members' rows one member after the other, so its runs of stream positions are theirs in
+that order (:func:`outer_shards`); WallFacer's team gather sorts rows by position anyway (rowmap.py), so
+no reordering happens here. With Megatron's zigzag layout group γ holds chunks γU … γU+U−1 and
+2P−1−γU−(U−1) … 2P−1−γU (of every document, packed), i.e. coarse chunks γ and 2P'−1−γ of 2P' (a coarse
+chunk is U chunks): the zigzag layout over P' ranks, so the causal work stays balanced.
 
 Heads. Member m takes query heads [m·h/U, (m+1)·h/U). K/V heads are sent un-expanded: with g K/V
 heads, g divisible by U gives member m heads [m·g/U, (m+1)·g/U); U divisible by g gives it the one
@@ -34,6 +34,7 @@ import torch
 
 from commweave import comm
 from megatron_patches.groups import subgroup
+from megatron_patches.packing import merge_runs
 
 ULYSSES, OUTER = "wallfacer.ulysses", "wallfacer.outer"
 
@@ -60,11 +61,11 @@ def kv_heads_of(member: int, kv_heads: int, ulysses_size: int) -> list[int]:
     return list(range(first, first + n))
 
 
-def sorted_members(layout: str, u: int) -> list[tuple[int, int]]:
-    """(member, half) of each of the 2U received half-shards, in ascending chunk order."""
-    if layout == "zigzag":
-        return [(m, 0) for m in range(u)] + [(m, 1) for m in reversed(range(u))]
-    return [(m, h) for m in range(u) for h in (0, 1)]
+def outer_shards(shards: tuple, u: int) -> tuple:
+    """The runs (packing.py) of the P/U outer ranks: outer rank γ's rows are CP ranks γU … γU+U−1's rows,
+    member after member (what the all-to-all delivers)."""
+    return tuple(merge_runs([run for r in range(g * u, (g + 1) * u) for run in shards[r]])
+                 for g in range(len(shards) // u))
 
 
 @dataclass
@@ -104,38 +105,20 @@ def hybrid_groups(cp_group, u: int) -> HybridGroups:
 
 
 class _Shape:
-    """What both all-to-alls of one call need: groups, sizes, the K/V head index, the row order."""
+    """What both all-to-alls of one call need: groups, sizes, the K/V head index."""
 
-    def __init__(self, hg: HybridGroups, layout: str, q: torch.Tensor, k: torch.Tensor) -> None:
+    def __init__(self, hg: HybridGroups, q: torch.Tensor, k: torch.Tensor) -> None:
         self.hg, self.u = hg, hg.size
         self.s, self.b, self.h, self.d = q.shape
         self.g = k.shape[2]
         self.n, self.n_kv = self.h // self.u, max(1, self.g // self.u)
         self.kv_index = torch.tensor([i for m in range(self.u) for i in kv_heads_of(m, self.g, self.u)],
                                      device=q.device)
-        self.order = sorted_members(layout, self.u)
-        self.identity = self.order == [(m, h) for m in range(self.u) for h in (0, 1)]
         self.kv_all = self.kv_index.tolist() == list(range(self.g))  # no head replicated: no selection
 
-    def sort_rows(self, recv: torch.Tensor) -> torch.Tensor:
-        """recv [U, s, b, ·, d] (member-major) → [U·s, b, ·, d], chunks ascending (a view when the
-        members' rows already ascend: the contiguous layout)."""
-        if self.identity:
-            return recv.view(self.u * self.s, *recv.shape[2:])
-        half, out = self.s // 2, recv.new_empty(self.u * self.s, *recv.shape[2:])
-        for i, (m, h) in enumerate(self.order):
-            out[i * half:(i + 1) * half].copy_(recv[m, h * half:(h + 1) * half])
-        return out
-
-    def unsort_rows(self, x: torch.Tensor, send: torch.Tensor, heads: slice) -> torch.Tensor:
-        """The inverse: x [U·s, b, n, d] (chunks ascending) → heads ``heads`` of ``send`` [U, s, b, ·, d]."""
-        if self.identity:
-            send[:, :, :, heads].copy_(x.view(self.u, self.s, *x.shape[1:]))
-            return send
-        half = self.s // 2
-        for i, (m, h) in enumerate(self.order):
-            send[m, h * half:(h + 1) * half, :, heads].copy_(x[i * half:(i + 1) * half])
-        return send
+    def rows(self, recv: torch.Tensor) -> torch.Tensor:
+        """recv [U, s, b, ·, d] (member-major) → [U·s, b, ·, d], a view."""
+        return recv.view(self.u * self.s, *recv.shape[2:])
 
     def exchange(self, send: torch.Tensor) -> torch.Tensor:
         recv = torch.empty_like(send)
@@ -160,7 +143,7 @@ class _ToHeads(torch.autograd.Function):
         for j, t in enumerate((k, v)):
             heads = t if sh.kv_all else t.index_select(2, sh.kv_index)
             send[..., n + j * n_kv:n + (j + 1) * n_kv, :].copy_(_by_member(heads, u))
-        rows = sh.sort_rows(sh.exchange(send))  # [U·s, b, n + 2n', d]; q', k', v' are views of it
+        rows = sh.rows(sh.exchange(send))  # [U·s, b, n + 2n', d]; q', k', v' are views of it
         ctx.sh = sh
         return rows[:, :, :n], rows[:, :, n:n + n_kv], rows[:, :, n + n_kv:]
 
@@ -170,7 +153,7 @@ class _ToHeads(torch.autograd.Function):
         u, n, n_kv = sh.u, sh.n, sh.n_kv
         send = dq.new_empty(u, sh.s, sh.b, n + 2 * n_kv, sh.d)
         for x, heads in ((dq, slice(0, n)), (dk, slice(n, n + n_kv)), (dv, slice(n + n_kv, n + 2 * n_kv))):
-            sh.unsort_rows(x, send, heads)
+            send[:, :, :, heads].copy_(x.view(u, sh.s, *x.shape[1:]))
         recv = sh.exchange(send)  # [U (my heads of member m), s, b, ·, d]
         grads = [recv[..., :n, :].permute(1, 2, 0, 3, 4).reshape(sh.s, sh.b, sh.h, sh.d)]
         for j in range(2):
@@ -188,24 +171,22 @@ class _ToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sh: _Shape, o):
         ctx.sh = sh
-        if sh.identity:
-            send = o.reshape(sh.u, sh.s, sh.b, sh.n, sh.d)
-        else:
-            send = sh.unsort_rows(o, o.new_empty(sh.u, sh.s, sh.b, sh.n, sh.d), slice(None))
+        send = o.reshape(sh.u, sh.s, sh.b, sh.n, sh.d)
         return sh.exchange(send).permute(1, 2, 0, 3, 4).reshape(sh.s, sh.b, sh.h, sh.d)
 
     @staticmethod
     def backward(ctx, do):
         sh = ctx.sh
-        return None, sh.sort_rows(sh.exchange(_by_member(do, sh.u).contiguous()))
+        return None, sh.rows(sh.exchange(_by_member(do, sh.u).contiguous()))
 
 
 def ulysses_wallfacer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ulysses_size: int,
-                      layout: str, inner: Callable) -> torch.Tensor:
+                      inner: Callable) -> torch.Tensor:
     """All-to-all to head shards inside the Ulysses group, ``inner(q', k', v', outer_group)`` (WallFacer
-    over the P/U groups, autograd included), all-to-all back. Inputs and output as wallfacer_attention:
-    [s, b, h, d] queries, [s, b, g, d] K/V, this rank's rows; the checks have run."""
+    over the P/U groups on the rows :func:`outer_shards` describes, autograd included), all-to-all back.
+    Inputs and output as wallfacer_attention: [s, b, h, d] queries, [s, b, g, d] K/V, this rank's rows;
+    the checks have run."""
     hg = hybrid_groups(group, ulysses_size)
-    sh = _Shape(hg, layout, q, k)
+    sh = _Shape(hg, q, k)
     qh, kh, vh = _ToHeads.apply(sh, q, k, v)
     return _ToSequence.apply(sh, inner(qh, kh, vh, hg.outer))

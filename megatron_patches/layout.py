@@ -15,16 +15,14 @@ Ring neighbours are paper Alg. 3 (``get_P2P_config``), the initial K/V placement
 slots of a sub-ring hold the K/V of G distinct teams and the C sub-rings a team's members sit in
 cover all T teams exactly once (checked for every valid (P, C) up to 256 in the tests).
 
-Tokens. The sequence is cut into 2P equal chunks. In the zigzag layout (Megatron's
+Tokens. A dense sequence is cut into 2P equal chunks. In the zigzag layout (Megatron's
 ``get_batch_on_this_cp_rank``) group rank r holds chunks r and 2P−1−r, which balances causal work;
-in the contiguous layout it holds chunks 2r and 2r+1. The causal rule between a query chunk a and a
-key chunk b is: b < a full, b = a causal diagonal, b > a skipped (§6).
+in the contiguous layout it holds chunks 2r and 2r+1. Packed documents, and which rows a team's calls
+pair (the causal rule per document): packing.py and rowmap.py.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -150,57 +148,3 @@ class Layout:
     def q_team_at(self, rank: int, step: int) -> int:
         """Team whose queries visit ``rank`` at step ``step`` of the query-circulating backward."""
         return self._ring_team(self.team_of(rank), -step)
-
-    # -- chunks ----------------------------------------------------------------------------------------
-    def team_chunks(self, team: int) -> list[int]:
-        """Chunk ids of a team's rows in all-gather order (member by member, each member's two chunks)."""
-        return [cid for r in self.team_ranks(team) for cid in rank_chunks(self.layout, self.world, r)]
-
-    def sorted_team_chunks(self, team: int) -> list[int]:
-        return sorted(self.team_chunks(team))
-
-    def sort_perm(self, team: int) -> list[int]:
-        """perm[i] = position (in all-gather order) of the i-th smallest chunk of the team."""
-        ids = self.team_chunks(team)
-        return sorted(range(len(ids)), key=ids.__getitem__)
-
-    def wire_runs(self, team: int, first: int, stop: int) -> list[tuple[int, int, int, int]]:
-        """Sorted chunks ``[first, stop)`` of a team as runs ``(sorted chunk, member, half, length)``
-        that are consecutive in one member's rows of the all-gather order (at most two chunks).
-
-        Accumulators that are reduce-scattered live in all-gather order (team.py); a kernel result
-        over a sorted range is added into them run by run.
-        """
-        perm, runs = self.sort_perm(team), []
-        for i in range(first, stop):
-            member, half = divmod(perm[i], 2)
-            if runs and half == 1 and perm[i - 1] == perm[i] - 1:
-                runs[-1] = (*runs[-1][:3], runs[-1][3] + 1)
-            else:
-                runs.append((i, member, half, 1))
-        return runs
-
-
-def causal_calls(q_chunks: Sequence[int], k_chunks: Sequence[int]) -> list[tuple[int, int, int, bool]]:
-    """The kernel calls that cover one (query team × key team) block under the causal chunk rule.
-
-    Both chunk lists are sorted ascending. Returns ``(q_first, q_stop, k_stop, diagonal)`` in units
-    of chunks: queries ``[q_first, q_stop)`` attend keys ``[0, k_stop)`` — a prefix, since every key
-    chunk b < a of a sorted list precedes the others. Same team (equal lists): one call, causal over
-    the whole block (chunk ids sorted ⇒ token positions sorted). Different teams share no chunk, so
-    every call is unmasked; query chunks that see the same prefix are merged into one call.
-    """
-    if list(q_chunks) == list(k_chunks):
-        return [(0, len(q_chunks), len(k_chunks), True)]
-    if set(q_chunks) & set(k_chunks):
-        raise ValueError("query and key teams share some but not all chunks; layouts are disjoint per team")
-    calls: list[tuple[int, int, int, bool]] = []
-    for i, a in enumerate(q_chunks):
-        n = bisect_left(k_chunks, a)
-        if n == 0:
-            continue
-        if calls and calls[-1][1] == i and calls[-1][2] == n:
-            calls[-1] = (calls[-1][0], i + 1, n, False)
-        else:
-            calls.append((i, i + 1, n, False))
-    return calls

@@ -19,6 +19,12 @@ WallFacerAttention reads its settings from the parsed ``--wallfacer-*`` argument
 against the run's (``WallFacerConfig.from_args``) on every rank before any communication: attention
 dropout must be 0 (``--attention-dropout 0``; WallFacer has none), ``--seq-length`` divisible by
 2 x ``--context-parallel-size``, no explicit masks (``--no-create-attention-mask-in-dataloader``).
+
+Packed documents: with ``--reset-attention-mask`` (and usually ``--reset-position-ids``) the batches'
+documents go to WallFacer as a packed (THD) batch instead of a dense document mask
+(:func:`_packed_documents`);
+Megatron-LM's own THD path (SFT packing: ``cu_seqlens`` in the batch, ``get_thd_batch_on_this_cp_rank``)
+reaches WallFacerAttention as it is.
 """
 
 from __future__ import annotations
@@ -80,27 +86,87 @@ def _with_provider(fn):
         given = kwargs.get("extra_args_provider")
         if given is None or not getattr(given, "wallfacer", False):
             kwargs["extra_args_provider"] = chain_wallfacer_args(given)
-        return fn(*args, **kwargs)
+        bound = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
+        step = bound.get("forward_step_func", bound.get("forward_step"))
+        with _packed_documents(getattr(step, "__globals__", {})):
+            return fn(*args, **kwargs)
     wrapper.__signature__ = inspect.signature(fn)
     return wrapper
+
+
+_PENDING: list = [None, None]  # (the tokens of the batch just sharded, its PackedSeqParams)
+_ANNOUNCED = [False]
+
+
+@contextmanager
+def _packed_documents(script: dict):
+    """pretrain_gpt.py's ``get_batch_on_this_cp_rank`` (the dense zigzag slicing its get_batch calls) takes,
+    under ``--reset-attention-mask``, the batch's documents (packed_batch.documents: from the dense mask, or
+    the end-of-document tokens under --no-create-attention-mask-in-dataloader) and shards them as a packed
+    batch (packed_batch.get_packed_batch_on_this_cp_rank, --wallfacer-layout); the model's forward, called
+    next with those tokens, gets their PackedSeqParams (WallFacerGPTModel). So no s x s mask reaches the
+    attention and no score between two documents is computed; without the flag nothing changes."""
+    original = script.get("get_batch_on_this_cp_rank")
+    if original is None:
+        yield
+        return
+
+    def get_batch_on_this_cp_rank(batch, *args, **kwargs):
+        from megatron.training import get_args, get_tokenizer
+
+        from megatron_patches.packed_batch import documents, get_packed_batch_on_this_cp_rank
+
+        run = get_args()
+        if not getattr(run, "reset_attention_mask", False):
+            return original(batch, *args, **kwargs)
+        flat, cu = documents(batch, get_tokenizer().eod)
+        out, params = get_packed_batch_on_this_cp_rank(flat, cu, layout=run.wallfacer_layout)
+        if not _ANNOUNCED[0] and torch.distributed.get_rank() == 0:
+            print(f"megatron_patches.megatron_lm: --reset-attention-mask: the {cu.numel() - 1} documents of "
+                  f"the first batch go to WallFacer as a packed batch", flush=True)
+        _ANNOUNCED[0] = True
+        _PENDING[:] = [out["tokens"], params]
+        return out
+
+    script["get_batch_on_this_cp_rank"] = get_batch_on_this_cp_rank
+    try:
+        yield
+    finally:
+        script["get_batch_on_this_cp_rank"] = original
+
+
+def _take_packed(input_ids):
+    """The PackedSeqParams of the batch whose tokens are ``input_ids``, if _packed_documents made it."""
+    tokens, params = _PENDING
+    if params is None or tokens is not input_ids:
+        return None
+    _PENDING[:] = [None, None]
+    return params
 
 
 def wallfacer_gpt_model_class():
     """A GPTModel subclass whose layer and MTP specs get WallFacerAttention as core attention."""
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_patches.attention import WallFacerAttention, with_wallfacer
+    from megatron_patches.attention import WallFacerAttention, watch_positions, with_wallfacer
 
     class WallFacerGPTModel(GPTModel):
         def __init__(self, config, transformer_layer_spec, *args, mtp_block_spec=None, **kwargs):
             mtp = None if mtp_block_spec is None else with_wallfacer(mtp_block_spec)
             layers = with_wallfacer(transformer_layer_spec)
             super().__init__(config, layers, *args, mtp_block_spec=mtp, **kwargs)
+            watch_positions(self)  # the position ids checked against --wallfacer-layout
             cores = [m for m in self.modules() if isinstance(m, WallFacerAttention)]
             if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
                 team = cores[0].wallfacer.team_size if cores else "-"
                 print(f"megatron_patches.megatron_lm: WallFacerAttention is the core attention of "
                       f"{len(cores)} layers (team size {team})", flush=True)
+
+        def forward(self, input_ids, position_ids, attention_mask, *args, packed_seq_params=None, **kwargs):
+            if packed_seq_params is None:
+                packed_seq_params = _take_packed(input_ids)
+            return super().forward(input_ids, position_ids, attention_mask, *args,
+                                   packed_seq_params=packed_seq_params, **kwargs)
 
     return WallFacerGPTModel
 

@@ -2,7 +2,7 @@
 and merged into the running output (forward), one block's gradients added into the accumulators.
 
 Shape legend as in wallfacer.py: s local rows, b batch, h query heads, g K/V heads, d head dim, C team
-size; "team" tensors hold the team's C·s rows sorted by chunk id (layout.py).
+size; "team" tensors hold the team's C·s rows sorted by stream position (rowmap.py).
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import math
 
 import torch
 
+from megatron_patches import packing
+from megatron_patches.block import backward_calls, forward_calls
 from megatron_patches.groups import WallFacerGroups, cached_groups
-from megatron_patches.layout import causal_calls
+from megatron_patches.rowmap import Call, TeamRows, block_calls, team_rows
 
 _KEEP_CPU_BUFFERS = [True]
 
@@ -37,22 +39,39 @@ def release_buffers() -> None:
 
 
 class Run:
-    """What one call needs besides tensors: groups, kernel, scale, mask, backward variant, and whether
-    the team's Q/K/V are kept for the backward."""
+    """What one call needs besides tensors: groups, kernel, scale, mask, backward variant, whether the
+    team's Q/K/V are kept for the backward, and which stream positions every rank's rows hold
+    (``shards``, packing.py: one run list per group rank; None: the dense sequence in the layout's
+    chunks, sized by the first call's rows)."""
 
     def __init__(self, groups: WallFacerGroups, kernel, scale: float, causal: bool, mode: str,
-                 keep: bool = True) -> None:
+                 keep: bool = True, shards: tuple | None = None) -> None:
         self.groups, self.kernel, self.scale, self.causal, self.mode = groups, kernel, scale, causal, mode
-        self.keep = keep
+        self.keep, self.shards = keep, shards
         lay = groups.layout
         self.lay, self.me = lay, groups.rank
-        self.chunks = {t: lay.sorted_team_chunks(t) for t in range(lay.teams)}
+        self._rows: dict[int, TeamRows] = {}
+        self._calls: dict[tuple[int, int], tuple] = {}
 
-    def calls(self, q_team: int, kv_team: int) -> list[tuple[int, int, int, bool]]:
-        if not self.causal:
-            n = 2 * self.lay.team_size
-            return [(0, n, n, False)]
-        return causal_calls(self.chunks[q_team], self.chunks[kv_team])
+    def bind(self, s_local: int) -> None:
+        """Fix the dense shards for ``s_local`` rows per rank (a no-op once shards are known)."""
+        if self.shards is None:
+            lay = self.lay
+            self.shards = packing.shards(packing.dense(lay.world * s_local), lay.layout, lay.world)
+
+    def rows(self, team: int) -> TeamRows:
+        """The team's sorted rows (rowmap.py), members in all-gather order."""
+        if team not in self._rows:
+            self._rows[team] = team_rows(tuple(self.shards[r] for r in self.lay.team_ranks(team)))
+        return self._rows[team]
+
+    def calls(self, q_team: int, kv_team: int) -> tuple[Call, ...]:
+        """Kernel calls (q0, q1, k0, k1, diagonal) in sorted rows for one team block (rowmap.block_calls)."""
+        key = (q_team, kv_team)
+        if key not in self._calls:
+            self._calls[key] = block_calls(self.rows(q_team), self.rows(kv_team), self.causal,
+                                           q_team == kv_team)
+        return self._calls[key]
 
     def empty(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A buffer that is dead when this forward or backward returns, kept for the next call on CPU.
@@ -79,12 +98,10 @@ class Run:
             return torch.empty(shape, dtype=dtype, device=device)
         return empty
 
-    def pieces(self, team: int, first: int, stop: int, half: int) -> list[tuple[slice, slice, int, slice]]:
-        """Where a result over the team's sorted chunks [first, stop) goes in an all-gather-order
+    def pieces(self, team: int, first: int, stop: int) -> list[tuple[slice, slice, int, slice]]:
+        """Where a result over the team's sorted rows [first, stop) goes in an all-gather-order
         accumulator [C, s, ...]: (rows of the result, sorted team rows, member, that member's rows)."""
-        return [(slice((j - first) * half, (j - first + n) * half), slice(j * half, (j + n) * half),
-                 member, slice(h * half, (h + n) * half))
-                for j, member, h, n in self.lay.wire_runs(team, first, stop)]
+        return self.rows(team).pieces(first, stop)
 
 
 def bhsd(t: torch.Tensor) -> torch.Tensor:
@@ -112,12 +129,9 @@ def attend(run: Run, q_team: int, q, kv, kv_team: int, o, lse, first: bool = Fal
     """Team queries ``q`` [b,h,C·s,d] against one team's K/V ``kv`` [2, C·s, b, g, d] (rows sorted),
     merged into ``o`` [C, s, b, h, d] (all-gather order) and ``lse`` [b, h, C·s] (sorted).
     ``first``: the calls cover every row and nothing was merged yet, so the blocks are copied."""
-    half = q.shape[2] // (2 * run.lay.team_size)
     k, v = bhsd(kv[0]), bhsd(kv[1])
-    for q0, q1, kn, diag in run.calls(q_team, kv_team):
-        rows, keys = slice(q0 * half, q1 * half), slice(0, kn * half)
-        o_b, lse_b = run.kernel.forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], run.scale, diag)
-        for res, srt, member, wire in run.pieces(q_team, q0, q1, half):
+    for (q0, q1, *_), o_b, lse_b in forward_calls(run.kernel, q, k, v, run.calls(q_team, kv_team), run.scale):
+        for res, srt, member, wire in run.pieces(q_team, q0, q1):
             if first:
                 bhsd(o[member, wire]).copy_(o_b[:, :, res])
                 lse[:, :, srt].copy_(lse_b[:, :, res])
@@ -132,16 +146,13 @@ def attend_backward(run: Run, q_team: int, qd, o, lse, kv, kv_team: int, dq, dkv
     ``qd`` holds the team's q and dO, ``o`` an O' with the team's D = rowsum(dO∘O) (_o_for_delta),
     each [C·s, b, h, d], rows sorted.
     """
-    half = qd[0].shape[0] // (2 * run.lay.team_size)
     q, do, o = bhsd(qd[0]), bhsd(qd[1]), bhsd(o)
     k, v = bhsd(kv[0]), bhsd(kv[1])
-    for q0, q1, kn, diag in run.calls(q_team, kv_team):
-        rows, keys = slice(q0 * half, q1 * half), slice(0, kn * half)
-        dq_b, dk_b, dv_b = run.kernel.backward(do[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
-                                               o[:, :, rows], lse[:, :, rows], run.scale, diag)
-        for res, _, member, wire in run.pieces(q_team, q0, q1, half):
+    blocks = backward_calls(run.kernel, do, q, k, v, o, lse, run.calls(q_team, kv_team), run.scale)
+    for (q0, q1, k0, k1, _), dq_b, dk_b, dv_b in blocks:
+        for res, _, member, wire in run.pieces(q_team, q0, q1):
             bhsd(dq[member, wire]).add_(dq_b[:, :, res])
-        for res, _, member, wire in run.pieces(kv_team, 0, kn, half):
+        for res, _, member, wire in run.pieces(kv_team, k0, k1):
             bhsd(dkv[member, 0, wire]).add_(dk_b[:, :, res])
             bhsd(dkv[member, 1, wire]).add_(dv_b[:, :, res])
 

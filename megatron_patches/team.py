@@ -1,14 +1,14 @@
-"""Team collectives: gather the team's rows sorted by chunk id, and reduce-scatter them back.
+"""Team collectives: gather the team's rows sorted by stream position, and reduce-scatter them back.
 
-A rank's rows are two chunks ([s, ...] = [chunk lo; chunk hi] in the order layout.rank_chunks
-gives). The team all-gather stacks the C members' rows ("all-gather order", [C, s, ...]);
-``gather_team`` then reorders the 2C chunks so that chunk ids ascend, which makes every causal
-block a prefix (layout.causal_calls). In the zigzag layout no view does this (a member's hi chunk
-sits after the others' in sorted order, its lo chunk before), so the reorder is a copy.
+A rank's rows are runs of stream positions (packing.py; dense zigzag: [chunk lo; chunk hi]). The team
+all-gather stacks the C members' rows ("all-gather order", [C, s, ...]); ``gather_team`` then reorders
+them so that positions ascend (rowmap.py), which makes every document's rows contiguous and every causal
+block a prefix (rowmap.block_calls). In the zigzag layout no view does this (a member's hi chunk sits
+after the others' in sorted order, its lo chunk before), so the reorder is a copy.
 
 What is reduce-scattered (the output O, dQ, dK, dV) never needs sorted rows: those accumulators
 are kept in all-gather order from the start (kernel results are added run by run,
-layout.wire_runs), so ``reduce_team`` hands them to the reduce-scatter as they are, with no
+rowmap.TeamRows.pieces), so ``reduce_team`` hands them to the reduce-scatter as they are, with no
 packing copy and no extra buffer.
 
 Copies are what the team costs a CPU rank beyond the bytes on the wire, so the gather copies each
@@ -26,38 +26,47 @@ import torch
 
 from commweave import comm
 from megatron_patches.groups import WallFacerGroups
+from megatron_patches.rowmap import TeamRows
 
 
 def _empty(key, shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def gather_team(groups: WallFacerGroups, *stacks: Sequence[torch.Tensor], empty=_empty) -> list[torch.Tensor]:
-    """Each stack of L same-shaped [s, b, h, d] tensors → one [L, C·s, b, h, d] team tensor, chunk
-    ids ascending. One all-gather for all of them. ``empty(key, shape, dtype, device)`` makes the
-    buffers: key "wire" (dead on return) and the index of each stack's team tensor."""
+def gather_team(groups: WallFacerGroups, rows: TeamRows, *stacks: Sequence[torch.Tensor], empty=_empty
+                ) -> list[torch.Tensor]:
+    """Each stack of L same-shaped [s, b, h, d] tensors → one [L, C·s, b, h, d] team tensor, rows sorted by
+    stream position (``rows``: this rank's team, rowmap.team_rows). One all-gather for all of them.
+    ``empty(key, shape, dtype, device)`` makes the buffers: key "wire" (dead on return) and the index of
+    each stack's team tensor."""
     c = groups.layout.team_size
-    if c == 1:  # a rank's own two chunks already ascend (layout.rank_chunks)
+    if c == 1 and rows.identity:  # a rank's own rows already ascend (dense layouts, TE's THD order)
         return [torch.stack(list(ts)) if len(ts) > 1 else ts[0].unsqueeze(0) for ts in stacks]
     first = stacks[0][0]
     sizes = [len(ts) * ts[0].numel() for ts in stacks]
-    wire = empty("wire", (c, sum(sizes)), first.dtype, first.device)
-    mine, off = wire[comm.rank(groups.team)], 0
-    for ts in stacks:
-        for t in ts:
-            mine[off:off + t.numel()].view(t.shape).copy_(t)
-            off += t.numel()
-    comm.all_gather(wire, mine, groups.team)
-    perm = groups.layout.sort_perm(groups.my_team)
-    out, off = [], 0
-    for key, (ts, n) in enumerate(zip(stacks, sizes, strict=True)):
-        s, rest = ts[0].shape[0], ts[0].shape[1:]
-        wire_l = wire[:, off:off + n].view(c, len(ts), 2, s // 2, -1)  # [member, l, half, rows, ·]
-        team = empty(key, (len(ts), 2 * c, s // 2, wire_l.shape[-1]), wire.dtype, wire.device)
-        for i, p in enumerate(perm):
-            team[:, i].copy_(wire_l[p // 2, :, p % 2])
-        out.append(team.view(len(ts), c * s, *rest))
-        off += n
+    wires = [None] * len(stacks)  # c = 1: rows to sort (the hybrid's Ulysses rows) but nothing to gather
+    if c > 1:
+        wire = empty("wire", (c, sum(sizes)), first.dtype, first.device)
+        mine, off = wire[comm.rank(groups.team)], 0
+        for ts in stacks:
+            for t in ts:
+                mine[off:off + t.numel()].view(t.shape).copy_(t)
+                off += t.numel()
+        comm.all_gather(wire, mine, groups.team)
+        wires, off = [], 0
+        for ts, n in zip(stacks, sizes, strict=True):
+            wires.append(wire[:, off:off + n].view(c, len(ts), *ts[0].shape))
+            off += n
+    out = []
+    for key, (ts, wire_l) in enumerate(zip(stacks, wires, strict=True)):
+        team = empty(key, (len(ts), c * ts[0].shape[0], *ts[0].shape[1:]), first.dtype, first.device)
+        for row, member, mrow, n in rows.copies:  # whole runs: strided copies at memcpy speed
+            if wire_l is not None:
+                team[:, row:row + n].copy_(wire_l[member, :, mrow:mrow + n])
+            else:
+                for i, t in enumerate(ts):
+                    team[i, row:row + n].copy_(t[mrow:mrow + n])
+        out.append(team)
     return out
 
 

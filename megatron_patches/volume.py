@@ -9,7 +9,7 @@ Per rank, with A_q = s·b·h_q·d and A_kv = s·b·h_kv·d elements of one rank'
 element size, e' the accumulator's (fp32, or fp64 for fp64 inputs), C the team size, G = P/C²:
 
 forward
-    checks (a checked call)            22 + 3 int64 to each other rank of the caller's group
+    checks (a checked call)            24 + 3 int64 to each other rank of the caller's group
                                        (checks.check_inputs, wallfacer.check_settings; also for U > 1)
     all-gather q, k, v in the team     (A_q + 2A_kv)(C−1)·e
     all-gather lse in the team         C·s·b·h_q·(C−1)·e'
@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 from megatron_patches.layout import Layout
 
-META_BYTES = 22 * 8  # checks._FIELDS int64 per rank
+META_BYTES = 24 * 8  # checks._FIELDS int64 per rank
 SETTINGS_BYTES = (2 + 1) * 8  # wallfacer.check_settings: U, team_qkv (comm.check_agree)
 
 

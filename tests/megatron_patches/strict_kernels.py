@@ -1,11 +1,12 @@
 """Strict stand-ins for the libraries under WallFacer's GPU block kernels, runnable on CPU tensors.
 
 ``StrictFlashAttn`` has flash-attn 2.6+'s private ``_flash_attn_forward`` / ``_flash_attn_backward``
-signatures; ``StrictEfficientOps`` has ATen's ``_scaled_dot_product_efficient_attention`` and its
-backward. Each call first checks the layout contract the real CUDA code requires (block.py's
-docstring: the head dim's stride 1, fp16/bf16 (flash) or fp16/bf16/fp32 (efficient), a *contiguous*
-fp32 lse — mha_bwd reads it by raw pointer —, K/V heads expanded for the efficient kernel, causal
-only on square blocks, no dropout, in-place gradient buffers of the right shape) and raises
+signatures (``StrictFlashVarlen`` adds ``_flash_attn_varlen_forward`` / ``_backward``);
+``StrictEfficientOps`` has ATen's ``_scaled_dot_product_efficient_attention`` and its backward. Each
+call first checks the layout contract the real CUDA code requires (block.py's docstring: the head
+dim's stride 1, fp16/bf16 (flash) or fp16/bf16/fp32 (efficient), a *contiguous* fp32 lse — mha_bwd
+reads it by raw pointer —, K/V heads expanded for the efficient kernel, causal only on square
+blocks, no dropout, in-place gradient buffers of the right shape) and raises
 ``ContractError`` on any violation; then it computes the block in fp64 with the reference kernel's
 maths and returns results in the dtypes the real kernel returns. Every call is recorded.
 
@@ -93,6 +94,86 @@ class StrictFlashAttn(_Strict):
         for buf, g in zip((dq, dk, dv), grads, strict=True):
             buf.copy_(g.transpose(1, 2))
         self.calls.append({"fn": "backward", "causal": causal, "deterministic": deterministic})
+        return dq, dk, dv, None
+
+
+class StrictFlashVarlen(StrictFlashAttn):
+    """flash-attn 2.6+ with its varlen functions too: q [total_q, h, d], k/v [total_k, g, d], int32
+    cu_seqlens, lse [h, total_q] fp32 (contiguous in the backward); causal only where every segment is
+    square. ``padded_lse``: flash-attn < 2.5's varlen lse, [segments, h, max_seqlen_q]."""
+
+    def __init__(self, raises: bool = True, padded_lse: bool = False) -> None:
+        super().__init__(raises)
+        self.padded_lse = padded_lse
+
+    def _segments(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, softcap, alibi_slopes,
+                  window_size_left, window_size_right):
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            self._require(t.dim() == 3, f"{name} must be 3-d [total, h, d], got {tuple(t.shape)}")
+            self._require(t.dtype in self.HALF and t.dtype == q.dtype,
+                          f"{name}: fp16/bf16 like q, got {t.dtype}")
+            self._last_dim(name, t)
+        for name, cu, t, top in (("cu_seqlens_q", cu_q, q, max_q), ("cu_seqlens_k", cu_k, k, max_k)):
+            self._require(cu.dtype == torch.int32 and cu.dim() == 1 and cu.is_contiguous(),
+                          f"{name}: a contiguous 1-d int32 tensor, got {cu.dtype} {tuple(cu.shape)}")
+            self._require(int(cu[0]) == 0 and int(cu[-1]) == t.shape[0],
+                          f"{name} {cu.tolist()} vs {t.shape[0]} rows")
+            self._require(int((cu[1:] - cu[:-1]).max()) <= top,
+                          f"{name}: a segment longer than max_seqlen {top}")
+        self._require(cu_q.shape == cu_k.shape, "as many query as key segments")
+        lq, lk = (cu_q[1:] - cu_q[:-1]).tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
+        self._require(not causal or lq == lk, f"causal on non-square segments {lq} x {lk}")
+        self._require(dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
+                      and window_size_left == -1 and window_size_right == -1,
+                      "unexpected dropout/window/softcap")
+        return list(zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist(), strict=False))
+
+    @staticmethod
+    def _block(t, a, z):
+        return t[a:z].transpose(0, 1).unsqueeze(0).double()  # [1, heads, n, d]
+
+    def _flash_attn_varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   dropout_p, softmax_scale, causal, window_size_left=-1,
+                                   window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
+                                   block_table=None):
+        segs = self._segments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                              dropout_p, softcap, alibi_slopes, window_size_left, window_size_right)
+        out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
+        for q0, q1, k0, k1 in segs:
+            o, l_ = ReferenceKernel().forward(self._block(q, q0, q1), self._block(k, k0, k1),
+                                              self._block(v, k0, k1), softmax_scale, causal)
+            out[q0:q1] = o[0].transpose(0, 1).to(q.dtype)
+            lse[:, q0:q1] = l_[0]
+        self.calls.append({"fn": "varlen_forward", "causal": causal, "segments": len(segs)})
+        if self.padded_lse:
+            lse = torch.stack([torch.nn.functional.pad(lse[:, a:z], (0, max_seqlen_q - (z - a)))
+                               for a, z, _, _ in segs])
+        return out, lse, None, torch.zeros(2, dtype=torch.int64)
+
+    def _flash_attn_varlen_backward(self, dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
+                                    cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                                    causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                                    deterministic, rng_state=None):
+        segs = self._segments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                              dropout_p, softcap, alibi_slopes, window_size_left, window_size_right)
+        pairs = (("dout", dout, q), ("out", out, q), ("dq", dq, q), ("dk", dk, k), ("dv", dv, v))
+        for name, t, like in pairs:
+            self._require(t.shape == like.shape and t.dtype == like.dtype, f"{name}: shape/dtype of input")
+            self._last_dim(name, t)
+        want = (len(segs), q.shape[1], max_seqlen_q) if self.padded_lse else (q.shape[1], q.shape[0])
+        self._require(softmax_lse.dtype == torch.float32 and tuple(softmax_lse.shape) == want
+                      and softmax_lse.is_contiguous(), f"softmax_lse: contiguous fp32 {want}, got "
+                      f"{tuple(softmax_lse.shape)} {softmax_lse.dtype} strides {softmax_lse.stride()}")
+        for i, (q0, q1, k0, k1) in enumerate(segs):
+            lse = softmax_lse[i, :, :q1 - q0] if self.padded_lse else softmax_lse[:, q0:q1]
+            grads = ReferenceKernel().backward(self._block(dout, q0, q1), self._block(q, q0, q1),
+                                               self._block(k, k0, k1), self._block(v, k0, k1),
+                                               self._block(out, q0, q1), lse[None].double(), softmax_scale,
+                                               causal)
+            for buf, g, a, z in zip((dq, dk, dv), grads, (q0, k0, k0), (q1, k1, k1), strict=True):
+                buf[a:z] = g[0].transpose(0, 1)
+        self.calls.append({"fn": "varlen_backward", "causal": causal, "deterministic": deterministic,
+                           "segments": len(segs)})
         return dq, dk, dv, None
 
 

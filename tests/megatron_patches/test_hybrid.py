@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 from commweave import ledger
-from megatron_patches.hybrid import OUTER, ULYSSES, kv_heads_of, sorted_members, ulysses_error
-from megatron_patches.layout import Layout, rank_chunks
+from megatron_patches import packing
+from megatron_patches.hybrid import OUTER, ULYSSES, kv_heads_of, outer_shards, ulysses_error
+from megatron_patches.layout import Layout
 from megatron_patches.volume import Shard, hybrid_bytes
 from megatron_patches.wallfacer import wallfacer_attention
 from tests.megatron_patches.test_wallfacer import (
@@ -156,16 +157,15 @@ def test_bad_ulysses_size_raises_same_error_on_every_rank(world):
 
 
 def test_rows_after_the_all_to_all_are_the_outer_layout():
-    """Member m of group γ holds chunks rank_chunks(P, γU + m); sorted_members puts the 2U half-shards
-    in ascending chunk order, and they are the two chunks rank_chunks(P/U, γ) of the coarse layout."""
+    """Outer rank γ holds CP ranks γU … γU+U−1's rows, member after member; as a set of stream positions they
+    are what rank γ holds in the same layout over P/U ranks (coarse chunks of U chunks): dense, and packed
+    with documents whose lengths 2P divides (equal chunks)."""
     for layout in ("zigzag", "contiguous"):
         for p, u in ((8, 2), (8, 4), (8, 8), (12, 3), (16, 4)):
-            for gamma in range(p // u):
-                fine = [rank_chunks(layout, p, gamma * u + m)[h] for m, h in sorted_members(layout, u)]
-                assert fine == sorted(fine)
-                coarse = rank_chunks(layout, p // u, gamma)
-                assert fine == [c * u + i for c in sorted(coarse) for i in range(u)]
-                assert rank_chunks(layout, p // u, gamma)[0] < rank_chunks(layout, p // u, gamma)[1]
+            for pack in (packing.dense(8 * p), packing.from_cu_seqlens([0, 2 * p, 8 * p, 14 * p])):
+                fine, coarse = packing.shards(pack, layout, p), packing.shards(pack, layout, p // u)
+                for gamma, runs in enumerate(outer_shards(fine, u)):
+                    assert sorted(packing.rank_index(runs)) == sorted(packing.rank_index(coarse[gamma]))
 
 
 def test_kv_heads_each_member_needs():

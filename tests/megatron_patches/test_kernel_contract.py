@@ -13,7 +13,12 @@ import torch.distributed as dist
 
 from megatron_patches.block import FlashKernel, SdpaKernel
 from megatron_patches.wallfacer import wallfacer_attention
-from tests.megatron_patches.strict_kernels import ContractError, StrictEfficientOps, StrictFlashAttn
+from tests.megatron_patches.strict_kernels import (
+    ContractError,
+    StrictEfficientOps,
+    StrictFlashAttn,
+    StrictFlashVarlen,
+)
 from tests.megatron_patches.test_wallfacer import _global_inputs, _reference, local_rows
 
 B, HQ, HKV = 2, 4, 2
@@ -91,6 +96,49 @@ def test_deterministic_reaches_every_backward(world, name):
         assert not res["deterministic_after"], "torch's deterministic switch must be restored"
     for res in world.run(_case, name, 2, True, "kv", False):
         assert not any(call.get("deterministic") for call in res["calls"]), res["calls"]
+
+
+def _packed_case(c, u, mode, padded_lse, d=16):
+    """A packed batch through flash-attn's varlen functions (strict stand-ins): the errors against fp64
+    document attention on the same rounded inputs, next to naive bf16 document attention's; the calls."""
+    from megatron_patches import packing
+    from tests.megatron_patches.test_packed import BATCHES, doc_of, document_attention, params
+
+    lib = StrictFlashVarlen(raises=False, padded_lse=padded_lse)
+    kernel, world = FlashKernel(interface=lib), dist.get_world_size()
+    ps = params(*BATCHES["mixed"])
+    pack = packing.from_packed_seq_params(ps)
+    total = packing.rows_per_rank(pack, world) * world
+    q, k, v, do = (t.to(torch.bfloat16).double() for t in _global_inputs(total, 1, HQ, HKV, d))
+    doc, rows = doc_of(pack, total), torch.tensor(packing.rank_index(packing.shards(pack, "zigzag", world)[
+        dist.get_rank()]))
+    mine = [t[rows].to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    out = wallfacer_attention(*mine, dist.group.WORLD, c, kernel=kernel, backward=mode, ulysses_size=u,
+                              packed_seq_params=ps)
+    out.backward(do[rows].to(torch.bfloat16))
+
+    def oracle(dtype):
+        inputs = [t.detach().to(dtype, copy=True).requires_grad_() for t in (q, k, v)]
+        o = document_attention(*inputs, doc, d ** -0.5, True)
+        o.backward(do.to(dtype))
+        return [o] + [t.grad for t in inputs]
+
+    exact, low = oracle(torch.float64), oracle(torch.bfloat16)
+    got = [out, *(t.grad for t in mine)]
+    return {"err": [(g.double() - w[rows]).abs().max().item() for g, w in zip(got, exact, strict=True)],
+            "naive": [(lo.double() - w)[rows].abs().max().item() for lo, w in zip(low, exact, strict=True)],
+            "fns": [call["fn"] for call in lib.calls], "violations": lib.violations}
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("c, u, mode, padded_lse", [(1, 1, "kv", False), (2, 1, "q", False),
+                                                    (2, 1, "kv", True), (1, 2, "q", False)])
+def test_packed_batches_go_through_flash_varlen_within_its_contract(world, c, u, mode, padded_lse):
+    for r, res in enumerate(world.run(_packed_case, c, u, mode, padded_lse)):
+        assert not res["violations"], res["violations"][:3]
+        assert "varlen_forward" in res["fns"] and "varlen_backward" in res["fns"], res["fns"]
+        for name, e, n in zip(("out", "dq", "dk", "dv"), res["err"], res["naive"], strict=True):
+            assert e <= 2 * n + 1e-6, f"rank {r} {name}: {e:.3g} > 2 x naive bf16 {n:.3g}"
 
 
 def test_the_stand_ins_refuse_a_strided_lse():

@@ -1,12 +1,13 @@
 """Rank arithmetic of WallFacer, checked exhaustively in one process (rank-count independent)."""
 
-import itertools
 import random
 
 import pytest
 
-from megatron_patches.layout import Layout, causal_calls, rank_chunks, team_size_error, valid_team_sizes
+from megatron_patches import packing
+from megatron_patches.layout import Layout, rank_chunks, team_size_error, valid_team_sizes
 from megatron_patches.placement import ring_major
+from megatron_patches.rowmap import rank_scores
 
 WORLDS = [1, 2, 4, 8, 9, 16, 18, 27, 32, 36, 64, 72, 128, 256]
 
@@ -82,70 +83,9 @@ def test_c1_is_ring_attention_and_c_sqrt_p_has_no_ring():
     assert all(star.place_target(t * 4 + a) == a * 4 + t for t in range(4) for a in range(4))
 
 
-def _covered(q_chunks, k_chunks, calls):
-    """Chunk pairs (a, b) the calls compute: 'full', or 'diag' for a causal call's diagonal chunks.
-
-    A causal call masks by position inside the call; with both chunk lists sorted, that keeps the
-    pairs b < a whole, the diagonal halves, and drops b > a.
-    """
-    cover = {}
-    for q0, q1, kn, causal in calls:
-        for i in range(q0, q1):
-            for j in range(kn):
-                a, b = q_chunks[i], k_chunks[j]
-                if causal and j > i - q0:
-                    continue
-                assert (a, b) not in cover
-                cover[a, b] = "diag" if causal and j == i - q0 else "full"
-    return cover
-
-
-def test_causal_calls_follow_the_chunk_rule():
-    """b < a full, b = a causal diagonal, b > a skipped — for random teams under both layouts."""
-    rng = random.Random(0)
-    for _ in range(300):
-        p = rng.choice([4, 8, 16, 32])
-        c = rng.choice(valid_team_sizes(p))
-        layout = rng.choice(["zigzag", "contiguous"])
-        perm = list(range(p))
-        rng.shuffle(perm)
-        lay = Layout(p, c, tuple(perm), layout)
-        tq, tk = rng.randrange(lay.teams), rng.randrange(lay.teams)
-        qc, kc = lay.sorted_team_chunks(tq), lay.sorted_team_chunks(tk)
-        cover = _covered(qc, kc, causal_calls(qc, kc))
-        for a in qc:
-            for b in kc:
-                want = "full" if b < a else "diag" if b == a else None
-                assert cover.get((a, b)) == want, (lay, tq, tk, a, b)
-
-
-def test_wire_runs_map_sorted_chunks_to_all_gather_order():
-    """Each sorted chunk of each range lands on its all-gather position; runs are maximal within a member."""
-    for lay in _layouts():
-        if lay.world > 64:
-            continue
-        for team in {0, lay.teams - 1}:
-            perm, n = lay.sort_perm(team), 2 * lay.team_size
-            for first in range(n):
-                for stop in range(first + 1, n + 1):
-                    runs = lay.wire_runs(team, first, stop)
-                    flat = [(j + k, 2 * m + h + k) for j, m, h, length in runs for k in range(length)]
-                    assert flat == [(i, perm[i]) for i in range(first, stop)], (lay, team, first, stop)
-                    assert all(h + length <= 2 for _, _, h, length in runs)
-                    for a, b in itertools.pairwise(runs):  # b would extend a: not maximal
-                        assert not (a[1] == b[1] and a[2] + a[3] == b[2]), (lay, runs)
-
-
 def _work(lay: Layout, rank: int, chunk: int) -> int:
     """Unmasked score entries ``rank`` computes in the whole forward (chunk = tokens per chunk)."""
-    total = 0
-    q_team = lay.team_of(rank)
-    for i in range(lay.ring_len):
-        qc, kc = lay.sorted_team_chunks(q_team), lay.sorted_team_chunks(lay.kv_team(rank, i))
-        for q0, q1, kn, diag in causal_calls(qc, kc):
-            n = (q1 - q0) * chunk
-            total += n * (n + 1) // 2 if diag else n * kn * chunk
-    return total
+    return rank_scores(packing.shards(packing.dense(2 * lay.world * chunk), lay.layout, lay.world), lay)[rank]
 
 
 def test_zigzag_balances_causal_work():

@@ -82,6 +82,51 @@ def test_readme_command_trains_like_stock_megatron_lm(tmp_path, extra):
     assert ours == pytest.approx(want, rel=1e-5), (ours, want)
 
 
+def _document_data(tmp_path, vocab=128, docs=400, seed=0) -> str:
+    """An indexed dataset (Megatron's .bin/.idx) of short documents, 2 … 40 tokens, each ending with
+    NullTokenizer's end-of-document token (its id is the vocabulary size): what tools/preprocess_data.py
+    --append-eod writes."""
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "documents")
+    gen = torch.Generator().manual_seed(seed)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
+    for _ in range(docs):
+        n = int(torch.randint(1, 40, (1,), generator=gen))
+        tokens = torch.cat([torch.randint(0, vocab, (n,), generator=gen), torch.tensor([vocab])])
+        builder.add_document(tokens.to(torch.int32), [n + 1])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def test_packed_documents_train_like_stock_megatron_lm(tmp_path):
+    """--reset-attention-mask --reset-position-ids on a dataset of short documents: stock Megatron-LM at
+    CP = 1 attends inside each document through the dataset's dense document mask (DotProductAttention);
+    the route at CP = 4 takes the same documents as a packed batch (from the end-of-document tokens, no
+    mask: the README's --no-create-attention-mask-in-dataloader) — the same loss iteration by iteration,
+    and not the loss of the same data without the document boundaries."""
+    env, nproc, args = readme_command()
+    data = ["--data-path", _document_data(tmp_path), "--split", "100,0,0"]
+    args = [a for a in args if a != "--mock-data"] + data + ["--reset-attention-mask", "--reset-position-ids"]
+    run = _run(args + CPU_FLAGS, nproc, 29761, env, tmp_path)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-4000:]
+    assert "documents of the first batch go to WallFacer as a packed batch" in log, log[-4000:]
+    ours = _losses(log)
+    assert len(ours) == 3, log[-3000:]
+    stock_args = [a for a in _drop_option(args, "--context-parallel-size", "--wallfacer-team-size")
+                  if a != "--no-create-attention-mask-in-dataloader"] + CPU_FLAGS
+    stock = _run(["--stock", *stock_args], 1, 29762, env, tmp_path)
+    assert stock.returncode == 0, (stock.stdout + stock.stderr)[-4000:]
+    assert ours == pytest.approx(_losses(stock.stdout + stock.stderr), rel=1e-5)
+    resets = ("--reset-attention-mask", "--reset-position-ids")
+    blind = _run(["--stock", *[a for a in stock_args if a not in resets]], 1, 29763, env, tmp_path)
+    assert blind.returncode == 0, (blind.stdout + blind.stderr)[-4000:]
+    assert ours[0] != pytest.approx(_losses(blind.stdout + blind.stderr)[0], rel=1e-4)
+
+
 def test_attention_dropout_is_refused_naming_the_argument(tmp_path):
     env, nproc, args = readme_command()
     args = _drop_option(args, "--attention-dropout") + CPU_FLAGS + ["--attention-dropout", "0.1"]

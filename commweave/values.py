@@ -193,16 +193,17 @@ def integer(value, name: str, *, lo: int = 0, hi: int = INT64_MAX, unit: str = "
     return result
 
 
-def product(name: str, factors: Iterable[int], *, limit: int = INT64_MAX, unit: str = "elements") -> int:
+def product(name: str, factors: Iterable[int], *, limit: int = INT64_MAX, unit: str = "elements",
+            limit_name: str | None = None) -> int:
     """The product of non-negative sizes, refused when it exceeds ``limit`` (int64 by default: what the
-    kernels index with; :data:`MAX_ALLOC_BYTES` for bytes to allocate). Computed exactly (Python ints),
-    so E·C = 2**32 · 2**32 is 2**64 here, not the 0 it wraps to in int64."""
+    kernels index with; :data:`MAX_ALLOC_BYTES` for bytes to allocate), which ``limit_name`` names in the
+    message. Computed exactly (Python ints): E·C = 2**32 · 2**32 is 2**64 here, not the 0 of int64."""
     factors = list(factors)
     total = math.prod(factors)
     if total > limit:
         shown = " x ".join(str(f) for f in factors)
         refuse(name, shown, f"the product is {total} {unit}, more than {limit} "
-                            f"({'int64' if limit == INT64_MAX else 'the limit'})")
+                            f"({limit_name or ('int64' if limit == INT64_MAX else 'the limit')})")
     return total
 
 

@@ -568,10 +568,12 @@ def _routes():
 DISPATCH = {  # (op, change) -> expected text; cases not in tests/ds_plugins/test_dispatch_inputs.py
     "dispatch: x float8": (("dispatch", "x f8"), "x [S, M] must have dtype float16, bfloat16, float32, "
                            "float64, got torch.float8_e4m3fn"),
-    "dispatch: num_experts '3'": (("dispatch", "E str"), "num_experts must be an integer >= 1, got '3'"),
-    "dispatch: num_experts 2.5": (("dispatch", "E float"), "num_experts must be an integer >= 1, got 2.5"),
-    "dispatch: num_experts True": (("dispatch", "E bool"), "num_experts must be an integer >= 1, got True"),
-    "dispatch: capacity -1": (("dispatch", "C neg"), "capacity must be an integer >= 0, got -1"),
+    "dispatch: num_experts '3'": (("dispatch", "E str"), "num_experts='3': must be an integer in "
+                                                         "[1, 2147483647]"),
+    "dispatch: num_experts 2.5": (("dispatch", "E float"), "num_experts=2.5: must be an integer in [1, "),
+    "dispatch: num_experts True": (("dispatch", "E bool"), "num_experts=True: must be an integer in [1, "),
+    "dispatch: capacity -1": (("dispatch", "C neg"), "capacity=-1: must be an integer in [0, 2147483647] "
+                                                     "(locations are int32)"),
     "dispatch: locations int64": (("dispatch", "loc long"), "locations [k, S] must have dtype int32, got "
                                   "torch.int64"),
     "dispatch: locations a list": (("dispatch", "loc list"), "locations must be a torch.Tensor [k, S], "

@@ -122,7 +122,7 @@ class Outcome:
     status: str
     type: str = ""
     message: str = ""
-    bases: tuple[str, ...] = ()   # the exception's classes, its own first (a Refused is a ValueError)
+    bases: tuple[str, ...] = ()   # the names of the exception's classes (a subclass of ValueError is one)
 
     def check_refused(self, *texts: str, error: str = "ValueError") -> None:
         """Raise the bad class unless the case raised ``error`` with every one of ``texts``."""

@@ -98,7 +98,7 @@ INITIALIZE = {  # name: (bad rank or None, change, expected text)
     "enabled false, rank 2": (2, {"enabled": False}, "must agree on enabled, got enabled: rank 0=1, "
                               "rank 1=1, rank 2=0"),
     "timeout_s -1, rank 3": (3, {"timeout_s": -1}, "rank 3: ds_plugins.initialize: parm timeout_s=-1: the "
-                             "communication timeout must be a finite number of seconds > 0"),
+                             "communication timeout must be a finite number of seconds in [1, 604800]"),
     "config file missing, rank 0": (0, "missing file", "rank 0: ds_plugins.initialize: DeepSpeed config file "
                                     "'/nonexistent/ds_config.json' cannot be read: No such file or "
                                     "directory"),
@@ -353,7 +353,8 @@ MODULE = {  # WallFacerAttention: name: (bad rank or None, change, expected text
     "cp_comm_type a2a+p2p, every rank": (None, "a2a+p2p", "WallFacerAttention: cp_comm_type='a2a+p2p': use "
                                          "one of (None, 'p2p', 'wallfacer')"),
     "timeout_s 0 in the config, every rank": (None, {"timeout_s": 0}, "--commweave-timeout-s=0: the "
-                                              "communication timeout must be a finite number of seconds > 0"),
+                                              "communication timeout must be a finite number of seconds in "
+                                              "[1, 604800]"),
 }
 
 
@@ -473,7 +474,7 @@ PARM_SECTION = {  # the section (or the whole config, for "config:") -> expected
     "cost_cache list": ({"cost_cache": ["a"]}, "parm cost_cache=['a'] must be a file path"),
     "timeout_s 0": ({"timeout_s": 0}, "parm timeout_s=0: the communication timeout must be a finite "
                                       "number of "
-                    "seconds > 0"),
+                    "seconds in [1, 604800]"),
     "timeout_s -1": ({"timeout_s": -1}, "parm timeout_s=-1: the communication timeout"),
     "timeout_s 'abc'": ({"timeout_s": "abc"}, "parm timeout_s='abc': the communication timeout"),
     "timeout_s nan": ({"timeout_s": math.nan}, "parm timeout_s=nan: the communication timeout"),
@@ -645,7 +646,7 @@ BASE = "--context-parallel-size 8 --seq-length 4096 --num-attention-heads 8 --at
 
 MEGATRON_ARGS = {  # extra command line -> expected text (argparse errors: the message it prints)
     "--commweave-timeout-s 0": "--commweave-timeout-s='0': the communication timeout must be a finite number "
-                               "of seconds > 0",
+                               "of seconds in [1, 604800]",
     "--commweave-timeout-s abc": "--commweave-timeout-s='abc': the communication timeout",
     "--commweave-timeout-s nan": "--commweave-timeout-s='nan': the communication timeout",
     "--commweave-timeout-s -5": "--commweave-timeout-s='-5': the communication timeout",

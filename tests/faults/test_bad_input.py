@@ -262,6 +262,7 @@ def _check(results: list[dict], expected: dict[str, str | list[str]], allowed: s
 
 
 @pytest.mark.slow
+@pytest.mark.fault("refused", kind="bad input: Parm (4 ranks)", cases=len(FORWARD) + len(SETTINGS))
 @pytest.mark.world_size(WORLD)
 def test_parm_forward_and_set_up_refuse_on_every_rank(world):
     results = world.run(_parm_cases)
@@ -272,6 +273,7 @@ def test_parm_forward_and_set_up_refuse_on_every_rank(world):
 
 
 @pytest.mark.slow
+@pytest.mark.fault("refused", kind="bad input: Parm (4 ranks)", cases=len(INITIALIZE))
 @pytest.mark.world_size(WORLD)
 def test_initialize_refuses_on_every_rank_before_deepspeed_initialize(world):
     results = world.run(_initialize_cases)
@@ -444,6 +446,7 @@ def _module_cases() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.fault("refused", kind="bad input: WallFacer (4 ranks)", cases=len(ATTENTION) + len(MODULE))
 @pytest.mark.world_size(WORLD)
 def test_wallfacer_refuses_on_every_rank_before_any_ring_step(world):
     results = world.run(_wallfacer_cases)
@@ -491,6 +494,7 @@ PARM_SECTION = {  # the section (or the whole config, for "config:") -> expected
 }
 
 
+@pytest.mark.fault("refused", kind="bad input: Parm (one process)")
 @pytest.mark.parametrize("case", list(PARM_SECTION))
 def test_parm_section(case, tmp_path):
     from ds_plugins.config import ParmConfig
@@ -547,6 +551,7 @@ LAYER_ARGS = {  # ParmMoE(**change) -> expected text
 }
 
 
+@pytest.mark.fault("refused", kind="bad input: Parm (one process)")
 @pytest.mark.parametrize("case", list(LAYER_ARGS))
 def test_parm_layer_arguments(case):
     from ds_plugins import ParmMoE
@@ -594,6 +599,7 @@ DISPATCH = {  # (op, change) -> expected text; cases not in tests/ds_plugins/tes
 }
 
 
+@pytest.mark.fault("refused", kind="bad input: dispatch / combine")
 @pytest.mark.parametrize("case", list(DISPATCH))
 def test_dispatch_combine(case):
     from ds_plugins.dispatch import combine, dispatch
@@ -679,6 +685,7 @@ MEGATRON_ARGS = {  # extra command line -> expected text (argparse errors: the m
 }
 
 
+@pytest.mark.fault("refused", kind="bad input: WallFacer (one process)")
 @pytest.mark.parametrize("extra", list(MEGATRON_ARGS))
 def test_megatron_arguments(extra):
     from megatron_patches.args import WallFacerConfig, add_wallfacer_args

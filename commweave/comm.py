@@ -109,10 +109,18 @@ class Handle:
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Complete the operation; a ``timeout`` (as torch's ``Work.wait`` takes) only shortens the bound,
         within the same range (under 1 ms torch would read it as no timeout at all)."""
-        seconds = timeout_s()
+        try:
+            seconds, refused = timeout_s(), None
+        except ValueError as e:
+            # This rank's bound is refused, but its peers may be in this very operation (an agreement that
+            # carries the refusal to them): complete it under the default bound, then raise.
+            seconds, refused = DEFAULT_TIMEOUT_S, e
         if timeout is not None:
             seconds = min(seconds, check_seconds(timeout.total_seconds(), "Handle.wait(timeout)"))
-        return self._wait(seconds)
+        self._wait(seconds)
+        if refused is not None:
+            raise refused
+        return True
 
     def _wait(self, seconds: float) -> bool:
         for i, w in enumerate(self._works):
@@ -144,13 +152,6 @@ def _check_group(group) -> None:
     if group is None:
         raise ValueError("group=None: commweave passes process groups explicitly; "
                          "use torch.distributed.group.WORLD for the world group")
-
-
-def _start(group) -> None:
-    """Before an operation is issued: the group is explicit and this process's timeout is one it accepts
-    (a refused COMMWEAVE_TIMEOUT_S raises here, before any rank has posted anything, not at the wait)."""
-    _check_group(group)
-    timeout_s()
 
 
 def set_group_name(group, name: str) -> None:
@@ -214,7 +215,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group,
                output_splits: Sequence[int] | None = None, input_splits: Sequence[int] | None = None,
                async_op: bool = False):
     """``all_to_all_single`` along dim 0 (equal splits unless given, in rows of dim 0)."""
-    _start(group)
+    _check_group(group)
     g, me = size(group), rank(group)
     row_in = _nbytes(input) // max(input.shape[0], 1) if input.dim() else _nbytes(input)
     row_out = _nbytes(output) // max(output.shape[0], 1) if output.dim() else _nbytes(output)
@@ -236,7 +237,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group,
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
     """Gather every rank's ``input`` into ``output`` (rank order, concatenated on dim 0)."""
-    _start(group)
+    _check_group(group)
     return _done(_issue_all_gather(output, input, group), async_op)
 
 
@@ -256,7 +257,7 @@ def _issue_all_gather(output: torch.Tensor, input: torch.Tensor, group) -> Handl
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, op: str = "sum",
                    async_op: bool = False):
     """Reduce ``input`` over the group; rank r keeps the r-th of g equal slices (dim 0 order)."""
-    _start(group)
+    _check_group(group)
     g = size(group)
     if input.numel() != g * output.numel():
         raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
@@ -326,7 +327,7 @@ def _pairwise_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> Han
 
 
 def all_reduce(tensor: torch.Tensor, group, op: str = "sum", async_op: bool = False):
-    _start(group)
+    _check_group(group)
     g = size(group)
     n = 2 * _nbytes(tensor) * (g - 1) // g
     ledger.record("all_reduce", group_name(group), n, n)
@@ -336,7 +337,7 @@ def all_reduce(tensor: torch.Tensor, group, op: str = "sum", async_op: bool = Fa
 
 def broadcast(tensor: torch.Tensor, src: int, group, async_op: bool = False):
     """Broadcast from ``src``, a rank inside ``group``."""
-    _start(group)
+    _check_group(group)
     g, me = size(group), rank(group)
     sent = _nbytes(tensor) * (g - 1) if me == src else 0
     ledger.record("broadcast", group_name(group), sent, 0 if me == src else _nbytes(tensor))
@@ -346,7 +347,7 @@ def broadcast(tensor: torch.Tensor, src: int, group, async_op: bool = False):
 
 def isend(tensor: torch.Tensor, peer: int, group, tag: int = 0):
     """Asynchronous send to ``peer``, a rank inside ``group``; returns the Work handle."""
-    _start(group)
+    _check_group(group)
     ledger.record("send", group_name(group), _nbytes(tensor), 0)
     return Handle([_isend(tensor, dst=global_rank(group, peer), group=group, tag=tag)], "send",
                   _where(group, peer))
@@ -354,7 +355,7 @@ def isend(tensor: torch.Tensor, peer: int, group, tag: int = 0):
 
 def irecv(tensor: torch.Tensor, peer: int, group, tag: int = 0):
     """Asynchronous receive from ``peer``, a rank inside ``group``; returns the Work handle."""
-    _start(group)
+    _check_group(group)
     ledger.record("recv", group_name(group), 0, _nbytes(tensor))
     return Handle([_irecv(tensor, src=global_rank(group, peer), group=group, tag=tag)], "recv",
                   _where(group, peer))
@@ -387,7 +388,6 @@ def batch_p2p(ops: Sequence[P2P]) -> list:
     if not ops:
         return []
     p2p, handles = [], []
-    timeout_s()
     for o in ops:
         _check_group(o.group)
         if o.op not in ("send", "recv"):

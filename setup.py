@@ -68,7 +68,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "deepspeed>=0.19.0", "megatron-core>=0.16.1", "numpy", "tqdm",
                       "matplotlib"],
-    extras_require={"test": ["pytest>=8", "pytest-timeout", "ruff"]},
+    extras_require={"test": ["pytest>=8", "pytest-timeout", "ruff", "hypothesis>=6"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension},
     entry_points={"console_scripts": ["deepspeed-atlas=launch.run.runner:main"]},

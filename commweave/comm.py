@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from commweave import ledger
+from commweave import values as value_rules
 
 # The originals, captured once: trace_torch_distributed() patches the public names for foreign code
 # (DeepSpeed's MoE, Ulysses) and must not count our own calls twice.
@@ -63,19 +64,14 @@ class CommTimeout(CommError, TimeoutError):
 
 
 def check_seconds(value, source: str) -> float:
-    """``value`` as a timeout in seconds, or ValueError naming ``source``, the value and the rule.
+    """``value`` as a timeout in seconds, or ValueError naming ``source``, the value and the rule: a finite
+    number (or plain decimal text) within ``commweave.values.TIMEOUT_RANGE_S``, 1 s .. 1 week (reasons in
+    commweave/values.py: under 1 ms torch waits forever, from 1e14 s it overflows).
 
-    Config keys and command-line arguments that carry a timeout (the ``"parm"`` section's ``timeout_s``,
-    ``--commweave-timeout-s``) validate with this, so that they refuse what ``COMMWEAVE_TIMEOUT_S`` refuses.
+    Every setting that carries this timeout validates with this, so that all refuse alike: the ``"parm"``
+    section's ``timeout_s``, ``--commweave-timeout-s``, ``COMMWEAVE_TIMEOUT_S``, :func:`set_timeout`.
     """
-    try:
-        seconds = float("nan") if isinstance(value, bool) else float(value)
-    except (TypeError, ValueError):
-        seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
-        raise ValueError(f"{source}={value!r}: the communication timeout must be a finite number of "
-                         "seconds > 0")
-    return seconds
+    return value_rules.seconds(value, source, what="the communication timeout", strings=True)
 
 
 def set_timeout(seconds: float | None) -> None:
@@ -111,12 +107,26 @@ class Handle:
         self.what, self.where = what, where
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Complete the operation; a ``timeout`` (as torch's ``Work.wait`` takes) only shortens the bound."""
-        seconds = timeout_s() if timeout is None else min(timeout_s(), timeout.total_seconds())
+        """Complete the operation; a ``timeout`` (as torch's ``Work.wait`` takes) only shortens the bound,
+        within the same range (under 1 ms torch would read it as no timeout at all)."""
+        try:
+            seconds, refused = timeout_s(), None
+        except ValueError as e:
+            # This rank's bound is refused, but its peers may be in this very operation (an agreement that
+            # carries the refusal to them): complete it under the default bound, then raise.
+            seconds, refused = DEFAULT_TIMEOUT_S, e
+        if timeout is not None:
+            seconds = min(seconds, check_seconds(timeout.total_seconds(), "Handle.wait(timeout)"))
+        self._wait(seconds)
+        if refused is not None:
+            raise refused
+        return True
+
+    def _wait(self, seconds: float) -> bool:
         for i, w in enumerate(self._works):
             try:
                 if isinstance(w, Handle):
-                    w.wait()
+                    w._wait(seconds)
                 else:
                     w.wait(timedelta(seconds=seconds))
             except CommError:
@@ -228,6 +238,10 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group,
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
     """Gather every rank's ``input`` into ``output`` (rank order, concatenated on dim 0)."""
     _check_group(group)
+    return _done(_issue_all_gather(output, input, group), async_op)
+
+
+def _issue_all_gather(output: torch.Tensor, input: torch.Tensor, group) -> Handle:
     g = size(group)
     if output.numel() != g * input.numel():
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
@@ -235,9 +249,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool 
     n = _nbytes(input) * (g - 1)
     ledger.record("all_gather", group_name(group), n, n)
     if _pairwise(group):
-        return _done(_pairwise_all_gather(_flat(output), input.contiguous().view(-1), group), async_op)
+        return _pairwise_all_gather(_flat(output), input.contiguous().view(-1), group)
     work = _all_gather(_flat(output), input.contiguous().view(-1), group=group, async_op=True)
-    return _done(Handle([work], "all_gather", _where(group)), async_op)
+    return Handle([work], "all_gather", _where(group))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, op: str = "sum",
@@ -409,14 +423,41 @@ def disagreement(group, what: str, error: str | None = None, *, relay: bool = Fa
     on its own would leave the others waiting in their next collective, so a rank that refuses its input
     passes the message here instead, and every rank gets "rank 2: <message>" (the first refusing rank; the
     message alone when every rank refused alike, or with ``relay``: a message that an earlier round over
-    another group produced, passed on verbatim). Refusals come first, then the values are compared.
-    One all-gather of ``len(values) + 65`` int64 per rank (messages are cut at 512 bytes).
+    another group produced, passed on verbatim). Refusals come first, then the values are compared, this
+    process's communication timeout among them (:func:`_with_timeout`). One all-gather of
+    ``len(values) + 66`` int64 per rank (messages are cut at 512 bytes).
     """
     return _disagreement(group, what, error, relay, _MESSAGE_BYTES, values)
 
 
+_TIMEOUT_VALUE = "the communication timeout (s)"
+
+
+def _with_timeout(error: str | None, checked: dict) -> tuple[str | None, dict]:
+    """Every agreement also compares this process's :func:`timeout_s`: ranks that bound their waits
+    differently would time out at different moments (one waits 3 s for a peer that gives up after 300),
+    so a different value (``set_timeout``, the ``"parm"`` section, ``--commweave-timeout-s`` or
+    ``COMMWEAVE_TIMEOUT_S`` on one rank) raises on every rank at set-up instead. A value this rank refuses
+    is its refusal (sent as NaN where no message can travel)."""
+    try:
+        bound = timeout_s()
+    except ValueError as e:
+        bound, error = float("nan"), error or str(e)
+    return error, {**checked, _TIMEOUT_VALUE: bound}
+
+
+def _agreement_bound() -> float:
+    """The bound on the agreement's own all-gather: this process's timeout, or the default where this
+    process's value is refused (the agreement is how every rank learns of the refusal)."""
+    try:
+        return timeout_s()
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+
+
 def _disagreement(group, what: str, error: str | None, relay: bool, width: int, values: dict) -> str | None:
     """:func:`disagreement` with messages of up to ``width`` bytes (0: no refusals, the values only)."""
+    error, values = _with_timeout(error, values)
     names = list(values)
     floats = {n for n in names if isinstance(values[n], float)}   # sent as their bits, shown as numbers
     ints = [struct.unpack("<q", struct.pack("<d", values[n]))[0] if n in floats else int(values[n])
@@ -427,7 +468,7 @@ def _disagreement(group, what: str, error: str | None, relay: bool, width: int, 
     mine = torch.cat([torch.tensor([*ints, len(text) if error else -1], dtype=torch.int64), words])
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     every = torch.empty(size(group), mine.numel(), dtype=torch.int64, device=device)
-    all_gather(every, mine.to(every.device), group)
+    _issue_all_gather(every, mine.to(every.device), group)._wait(_agreement_bound())
     every = every.cpu()
     n = len(names)
     messages = [None if int(row[n]) < 0 else
@@ -464,7 +505,8 @@ def check_agree(group, what: str, **values: int) -> None:
 
     Sizes that a later collective depends on (shapes, team sizes, schedule ids) are checked here first,
     so a disagreement is a ``ValueError`` naming each value per rank instead of a hang or a mismatched
-    transfer (:func:`agree` without a refusal). One all-gather of ``len(values) + 1`` int64 per rank.
+    transfer (:func:`agree` without a refusal); the communication timeout is compared too. One all-gather
+    of ``len(values) + 2`` int64 per rank.
     """
     message = _disagreement(group, what, None, False, 0, values)
     if message is not None:

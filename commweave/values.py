@@ -1,7 +1,7 @@
 """One rule per kind of value: every entry point checks its inputs with these (issue 22).
 
 Each checker takes the value and the name the user knows it by (a config key, a flag, a variable, an
-argument) and returns the value normalised, or raises :class:`Refused` (a ``ValueError``) whose text is
+argument) and returns the value normalised, or raises a ``ValueError`` (:func:`refuse`) whose text is
 ``"<name>=<value!r>: <rule>"``: the argument, the value and the rule, always in that order::
 
     port = values.port(os.environ["MASTER_PORT"], "MASTER_PORT", strings=True)
@@ -53,16 +53,12 @@ INT64_MAX = 2**63 - 1
 MAX_ALLOC_BYTES = 2**47
 
 
-class Refused(ValueError):
-    """A value refused by a rule: ``name``, ``value`` and ``rule`` are kept for callers that relay them."""
-
-    def __init__(self, name: str, value: Any, rule: str) -> None:
-        super().__init__(f"{name}={value!r}: {rule}")
-        self.name, self.value, self.rule = name, value, rule
-
-
 def refuse(name: str, value: Any, rule: str) -> NoReturn:
-    raise Refused(name, value, rule)
+    """Raise the ValueError of a refusal. A plain ValueError (callers and tests compare the type by name),
+    with ``name``, ``value`` and ``rule`` as attributes for callers that relay them."""
+    error = ValueError(f"{name}={value!r}: {rule}")
+    error.name, error.value, error.rule = name, value, rule
+    raise error
 
 
 def is_valid(check, value, *args, **kwargs) -> bool:
@@ -193,16 +189,17 @@ def integer(value, name: str, *, lo: int = 0, hi: int = INT64_MAX, unit: str = "
     return result
 
 
-def product(name: str, factors: Iterable[int], *, limit: int = INT64_MAX, unit: str = "elements") -> int:
+def product(name: str, factors: Iterable[int], *, limit: int = INT64_MAX, unit: str = "elements",
+            limit_name: str | None = None) -> int:
     """The product of non-negative sizes, refused when it exceeds ``limit`` (int64 by default: what the
-    kernels index with; :data:`MAX_ALLOC_BYTES` for bytes to allocate). Computed exactly (Python ints),
-    so E·C = 2**32 · 2**32 is 2**64 here, not the 0 it wraps to in int64."""
+    kernels index with; :data:`MAX_ALLOC_BYTES` for bytes to allocate), which ``limit_name`` names in the
+    message. Computed exactly (Python ints): E·C = 2**32 · 2**32 is 2**64 here, not the 0 of int64."""
     factors = list(factors)
     total = math.prod(factors)
     if total > limit:
         shown = " x ".join(str(f) for f in factors)
         refuse(name, shown, f"the product is {total} {unit}, more than {limit} "
-                            f"({'int64' if limit == INT64_MAX else 'the limit'})")
+                            f"({limit_name or ('int64' if limit == INT64_MAX else 'the limit')})")
     return total
 
 
@@ -235,7 +232,7 @@ def seconds(value, name: str, *, what: str = "the timeout", strings: bool = Fals
     lo, hi = TIMEOUT_RANGE_S
     try:
         return number(value, name, lo=lo, hi=hi, unit="s", strings=strings)
-    except Refused:
+    except ValueError:
         refuse(name, value, f"{what} must be a finite number of seconds in [{lo:g}, {hi:g}] (1 s to 1 week"
                             ": shorter would fail healthy waits and under 1 ms means no timeout to torch)")
 
@@ -329,7 +326,7 @@ _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 
 
 class _JsonRefusal(Exception):
-    """Raised inside json's hooks, turned into a Refused with the source's name outside them."""
+    """Raised inside json's hooks, turned into a refusal naming the source outside them."""
 
 
 def _pairs(pairs: list[tuple[str, Any]]) -> dict:
@@ -363,7 +360,8 @@ def _constant(text: str):
 
 def parse_json(text: str, name: str, *, max_bytes: int = JSON_MAX_BYTES, max_depth: int = JSON_MAX_DEPTH,
                top: type | None = None):
-    """Decode JSON text under the rules of :func:`load_json`; ``name`` says where it came from."""
+    """Decode JSON text under the rules of :func:`load_json`; ``name`` says where it came from. Every
+    error is a refusal (json's own errors are turned into one)."""
     if not isinstance(text, str):
         refuse(name, type(text).__name__, "must be JSON text (a str)")
     if len(text) > max_bytes:
@@ -422,5 +420,5 @@ def load_json(path, name: str, *, max_bytes: int = JSON_MAX_BYTES, max_depth: in
         refuse(name, str(p), f"not UTF-8 text (byte {e.start})")
     try:
         return parse_json(text, name, max_bytes=max_bytes, max_depth=max_depth, top=top)
-    except Refused as e:
+    except ValueError as e:
         refuse(name, str(p), e.rule)

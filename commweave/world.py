@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import wait
 
+from commweave import values
+
 _CTX = mp.get_context("spawn")
 
 
@@ -99,8 +101,11 @@ class World:
     _port: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        values.integer(self.world_size, "world_size", lo=1, hi=4096, unit="ranks on this machine")
+        # the bounds of every wait here, and the process group's own timeout, in commweave's one range
+        # (1 s .. 1 week): under 1 ms torch's process group would read it as no timeout at all
+        self.timeout = values.seconds(self.timeout, "World.timeout")
+        self.start_timeout = values.seconds(self.start_timeout, "World.start_timeout")
 
     @property
     def alive(self) -> bool:
@@ -127,7 +132,8 @@ class World:
             self.start()
         for c in self._conns:
             c.send((fn, args, kwargs))
-        return self._collect(getattr(fn, "__qualname__", repr(fn)), timeout or self.timeout)
+        bound = self.timeout if timeout is None else values.seconds(timeout, "World.run(timeout)")
+        return self._collect(getattr(fn, "__qualname__", repr(fn)), bound)
 
     def _collect(self, what: str, timeout: float) -> list:
         results: dict[int, object] = {}

@@ -18,7 +18,8 @@ namespace commweave {
 inline void check_combine(const at::Tensor& expert_output, const at::Tensor& indices,
                           const at::Tensor& locations, const at::Tensor& gates) {
   check_data(expert_output, "expert_output [E, C, M]", 3);
-  TORCH_CHECK(expert_output.size(0) >= 1, "commweave: expert_output [E, C, M] needs E >= 1");
+  check_slots(expert_output.size(0), expert_output.size(1));
+  check_bytes(expert_output, "expert_output [E, C, M]");
   TORCH_CHECK(gates.dim() == 2, "commweave: gates must be [k, S], got ", gates.sizes());
   check_routes(indices, locations, gates.size(1), expert_output);
   TORCH_CHECK(gates.sizes() == indices.sizes(), "commweave: gates must have the shape of indices ",
@@ -27,6 +28,7 @@ inline void check_combine(const at::Tensor& expert_output, const at::Tensor& ind
               "commweave: gates must be fp32 or fp64, got ", gates.scalar_type());
   TORCH_CHECK(gates.device() == expert_output.device(), "commweave: gates must be on ",
               expert_output.device());
+  checked_bytes({indices.size(1), expert_output.size(2), expert_output.element_size()}, "the output [S, M]");
 }
 
 // The dtype combine accumulates in (and converts the gates to before the kernels run).
@@ -69,6 +71,7 @@ inline void check_combine_backward(const at::Tensor& grad, const at::Tensor& exp
                   && grad.scalar_type() == expert_output.scalar_type() && grad.device() == gates.device(),
               "commweave: grad must be ", expert_output.scalar_type(), " [S, M] = [", indices.size(1), ", ",
               expert_output.size(2), "] on ", gates.device(), ", got ", grad.scalar_type(), " ", grad.sizes());
+  check_bytes(grad, "grad [S, M]");
 }
 
 at::Tensor combine_cpu(const at::Tensor& expert_output, const at::Tensor& indices,

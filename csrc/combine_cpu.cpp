@@ -8,8 +8,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
-#include <vector>
-
 namespace commweave {
 
 at::Tensor combine_cpu(const at::Tensor& expert_output, const at::Tensor& indices,
@@ -35,10 +33,10 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_cpu(const at::Tensor& grad,
   const auto o = combine_operands(expert_output, indices, locations, gates);
   auto [grad_expert, grad_gates] = combine_grad_outputs(o, need_expert_grad, need_gates_grad);
   // Owners first: the slots no route owns get a zero gradient (this also re-checks for collisions).
-  const auto owner = need_expert_grad ? slot_owners(o.idx.const_data_ptr<int32_t>(),
-                                                    o.loc.const_data_ptr<int32_t>(), o.k, o.num_tokens,
-                                                    o.num_experts, o.capacity)
-                                      : std::vector<int32_t>{};
+  const auto owners = need_expert_grad ? slot_owners(o.idx.const_data_ptr<int32_t>(),
+                                                     o.loc.const_data_ptr<int32_t>(), o.k, o.num_tokens,
+                                                     o.num_experts, o.capacity)
+                                       : at::Tensor();
   cpu::kernels().combine_backward(o.expert.scalar_type(), o.acc_type, grad_c.const_data_ptr(),
                                   o.expert.const_data_ptr(), o.idx.const_data_ptr<int32_t>(),
                                   o.loc.const_data_ptr<int32_t>(), o.gates_acc.const_data_ptr(),
@@ -48,6 +46,7 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_cpu(const at::Tensor& grad,
   if (need_expert_grad) {
     const int64_t row = o.d_model * o.expert.element_size();
     auto* dst = static_cast<char*>(grad_expert.mutable_data_ptr());
+    const int32_t* owner = owners.const_data_ptr<int32_t>();
     parallel_rows(o.num_experts * o.capacity, row, [&](int64_t begin, int64_t end) {
       for (int64_t slot = begin; slot < end; ++slot) {
         if (owner[slot] < 0) {

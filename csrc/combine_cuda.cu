@@ -159,6 +159,9 @@ cudaError_t launch_combine(Dtype dtype, bool acc_double, const void* expert, con
                            const int32_t* locations, const void* gates, void* y, int64_t k,
                            int64_t num_tokens, int64_t d_model, int64_t num_experts, int64_t capacity,
                            cudaStream_t stream) {
+  if (!tokens_fit(k, num_tokens, num_experts, capacity) || d_model < 0) {
+    return cudaErrorInvalidValue;
+  }
   if (num_tokens == 0 || d_model == 0) {
     return cudaSuccess;
   }
@@ -173,6 +176,9 @@ cudaError_t launch_combine_backward(Dtype dtype, bool acc_double, const void* gr
                                     void* grad_expert, void* grad_gates, int64_t k, int64_t num_tokens,
                                     int64_t d_model, int64_t num_experts, int64_t capacity,
                                     cudaStream_t stream) {
+  if (!tokens_fit(k, num_tokens, num_experts, capacity) || d_model < 0) {
+    return cudaErrorInvalidValue;
+  }
   if (num_tokens == 0 || (grad_expert == nullptr && grad_gates == nullptr)) {
     return cudaSuccess;
   }

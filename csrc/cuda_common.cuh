@@ -105,4 +105,22 @@ inline int block_threads(int64_t packs) {
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// The sizes the kernels index with (the torch glue checks the same with clear messages, routes.h; these
+// keep a direct caller of a launcher from undefined behaviour). Routes are numbered r = j * S + s in
+// int32; E and C are int32 ranges, so the slot e * C + c (int64) cannot wrap; a grid has at most
+// 2**31 - 1 blocks in x, which one block per token never exceeds once the routes fit int32.
+constexpr int64_t kIndexMax = 2147483647;
+
+inline bool routes_fit(int64_t routes, int64_t num_experts, int64_t capacity) {
+  return routes >= 0 && routes <= kIndexMax && num_experts >= 0 && num_experts <= kIndexMax && capacity >= 0 &&
+         capacity <= kIndexMax;
+}
+
+inline bool tokens_fit(int64_t k, int64_t num_tokens, int64_t num_experts, int64_t capacity) {
+  return k >= 1 && num_tokens >= 0 && num_tokens <= kIndexMax / k && routes_fit(k * num_tokens, num_experts, capacity);
+}
+
+// Blocks for a grid-stride loop over `rows` rows: one block per row up to the grid's limit.
+inline unsigned int grid_blocks(int64_t rows) { return static_cast<unsigned int>(rows < kIndexMax ? rows : kIndexMax); }
+
 }  // namespace commweave::cuda

@@ -11,14 +11,18 @@ inline void check_dispatch(const at::Tensor& x, const at::Tensor& indices, const
                            int64_t num_experts, int64_t capacity) {
   check_data(x, "x [S, M]", 2);
   check_routes(indices, locations, x.size(0), x);
-  TORCH_CHECK(num_experts >= 1 && capacity >= 0, "commweave: dispatch needs num_experts >= 1 and "
-              "capacity >= 0, got ", num_experts, " and ", capacity);
+  check_slots(num_experts, capacity);
+  check_bytes(x, "x [S, M]");
+  checked_bytes({num_experts, capacity, x.size(1), x.element_size()}, "the output [E, C, M]");
 }
 
 inline void check_dispatch_backward(const at::Tensor& grad, const at::Tensor& indices,
                                     const at::Tensor& locations, int64_t num_tokens) {
   check_data(grad, "grad [E, C, M]", 3);
   check_routes(indices, locations, num_tokens, grad);
+  check_slots(grad.size(0), grad.size(1));
+  check_bytes(grad, "grad [E, C, M]");
+  checked_bytes({num_tokens, grad.size(2), grad.element_size()}, "the output [S, M]");
 }
 
 at::Tensor dispatch_cpu(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& locations,

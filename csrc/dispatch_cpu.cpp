@@ -19,8 +19,9 @@ at::Tensor dispatch_cpu(const at::Tensor& x, const at::Tensor& indices, const at
   const auto loc = locations.contiguous();
   const int64_t k = idx.size(0), num_tokens = idx.size(1), d_model = x_c.size(1);
   auto out = at::empty({num_experts, capacity, d_model}, x_c.options());
-  const auto owner = slot_owners(idx.const_data_ptr<int32_t>(), loc.const_data_ptr<int32_t>(), k,
-                                 num_tokens, num_experts, capacity);
+  const auto owners = slot_owners(idx.const_data_ptr<int32_t>(), loc.const_data_ptr<int32_t>(), k,
+                                  num_tokens, num_experts, capacity);
+  const int32_t* owner = owners.const_data_ptr<int32_t>();
   // A permutation of rows: copy bytes, whatever the dtype.
   const int64_t row = d_model * x_c.element_size();
   const auto* src = static_cast<const char*>(x_c.const_data_ptr());

@@ -17,25 +17,27 @@ __global__ void slot_owners_kernel(const int32_t* indices, const int32_t* locati
   }
 }
 
-// One block per slot: copy the owner's row, or zero it (when `rows` is null, zero unowned rows only).
+// One block per slot (grid-stride: E * C may exceed the grid): copy the owner's row, or zero it (when
+// `rows` is null, zero unowned rows only).
 template <typename U>
 __global__ void slot_rows_kernel(const U* rows, const int32_t* owner, U* out, int64_t num_tokens,
-                                 int64_t units) {
-  const int64_t slot = blockIdx.x;
-  const int32_t r = owner[slot];
-  U* dst = out + slot * units;
-  if (r >= 0) {
-    if (rows == nullptr) {
-      return;
-    }
-    const U* src = rows + (r % num_tokens) * units;
-    for (int64_t i = threadIdx.x; i < units; i += blockDim.x) {
-      dst[i] = src[i];
-    }
-  } else {
-    const U zero{};
-    for (int64_t i = threadIdx.x; i < units; i += blockDim.x) {
-      dst[i] = zero;
+                                 int64_t slots, int64_t units) {
+  for (int64_t slot = blockIdx.x; slot < slots; slot += gridDim.x) {
+    const int32_t r = owner[slot];
+    U* dst = out + slot * units;
+    if (r >= 0) {
+      if (rows == nullptr) {
+        continue;
+      }
+      const U* src = rows + (r % num_tokens) * units;
+      for (int64_t i = threadIdx.x; i < units; i += blockDim.x) {
+        dst[i] = src[i];
+      }
+    } else {
+      const U zero{};
+      for (int64_t i = threadIdx.x; i < units; i += blockDim.x) {
+        dst[i] = zero;
+      }
     }
   }
 }
@@ -110,6 +112,9 @@ cudaError_t dispatch_backward_typed(const void* grad, const int32_t* indices, co
 
 cudaError_t launch_slot_owners(const int32_t* indices, const int32_t* locations, int64_t routes,
                                int64_t num_experts, int64_t capacity, int32_t* owner, cudaStream_t stream) {
+  if (!routes_fit(routes, num_experts, capacity)) {
+    return cudaErrorInvalidValue;
+  }
   if (routes == 0) {
     return cudaSuccess;
   }
@@ -121,28 +126,34 @@ cudaError_t launch_slot_owners(const int32_t* indices, const int32_t* locations,
 
 cudaError_t launch_dispatch(const void* x, const int32_t* owner, void* out, int64_t num_tokens, int64_t slots,
                             int64_t row_bytes, cudaStream_t stream) {
+  if (slots < 0 || row_bytes < 0 || num_tokens < 0 || num_tokens > kIndexMax) {
+    return cudaErrorInvalidValue;
+  }
   if (slots == 0 || row_bytes == 0) {
     return cudaSuccess;
   }
   return with_unit(row_bytes, x, out, [&](auto unit) {
     using U = decltype(unit);
     const int64_t units = row_bytes / static_cast<int64_t>(sizeof(U));
-    slot_rows_kernel<U><<<slots, block_threads(units), 0, stream>>>(
-        static_cast<const U*>(x), owner, static_cast<U*>(out), num_tokens, units);
+    slot_rows_kernel<U><<<grid_blocks(slots), block_threads(units), 0, stream>>>(
+        static_cast<const U*>(x), owner, static_cast<U*>(out), num_tokens, slots, units);
     return cudaGetLastError();
   });
 }
 
 cudaError_t launch_zero_unowned(const int32_t* owner, void* out, int64_t slots, int64_t row_bytes,
                                 cudaStream_t stream) {
+  if (slots < 0 || row_bytes < 0) {
+    return cudaErrorInvalidValue;
+  }
   if (slots == 0 || row_bytes == 0) {
     return cudaSuccess;
   }
   return with_unit(row_bytes, out, out, [&](auto unit) {
     using U = decltype(unit);
     const int64_t units = row_bytes / static_cast<int64_t>(sizeof(U));
-    slot_rows_kernel<U><<<slots, block_threads(units), 0, stream>>>(nullptr, owner, static_cast<U*>(out), 1,
-                                                                    units);
+    slot_rows_kernel<U><<<grid_blocks(slots), block_threads(units), 0, stream>>>(
+        nullptr, owner, static_cast<U*>(out), 1, slots, units);
     return cudaGetLastError();
   });
 }
@@ -151,6 +162,9 @@ cudaError_t launch_dispatch_backward(Dtype dtype, const void* grad, const int32_
                                      const int32_t* locations, void* grad_x, int64_t k, int64_t num_tokens,
                                      int64_t d_model, int64_t num_experts, int64_t capacity,
                                      cudaStream_t stream) {
+  if (!tokens_fit(k, num_tokens, num_experts, capacity) || d_model < 0) {
+    return cudaErrorInvalidValue;
+  }
   if (num_tokens == 0 || d_model == 0) {
     return cudaSuccess;
   }

@@ -46,6 +46,7 @@ void check_cuda(const at::Tensor& t, const char* name) {
 // slot -> owning route, -1 where none: [E * C] int32 on the routes' device.
 at::Tensor slot_owners_cuda(const at::Tensor& idx, const at::Tensor& loc, int64_t num_experts,
                             int64_t capacity, cudaStream_t stream) {
+  check_slots(num_experts, capacity);
   auto owner = at::full({num_experts * capacity}, -1, idx.options());
   COMMWEAVE_CUDA_CALL(cuda::launch_slot_owners(idx.const_data_ptr<int32_t>(), loc.const_data_ptr<int32_t>(),
                                                idx.numel(), num_experts, capacity,
@@ -58,6 +59,7 @@ at::Tensor slot_owners_cuda(const at::Tensor& idx, const at::Tensor& loc, int64_
 std::vector<int64_t> find_route_fault_cuda(const at::Tensor& indices, const at::Tensor& locations,
                                            int64_t num_experts, int64_t capacity) {
   check_routes(indices, locations, indices.size(1), indices);
+  check_slots(num_experts, capacity);
   check_cuda(indices, "indices");
   const c10::cuda::CUDAGuard guard(indices.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

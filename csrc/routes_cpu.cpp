@@ -2,6 +2,8 @@
 // over the k * S routes instead of a dozen tensor ops: tens of microseconds at S = 16384.
 #include "routes.h"
 
+#include <ATen/ops/full.h>
+
 #include <vector>
 
 namespace commweave {
@@ -10,6 +12,7 @@ std::vector<int64_t> find_route_fault_cpu(const at::Tensor& indices, const at::T
                                       int64_t num_experts, int64_t capacity) {
   TORCH_CHECK(indices.device().is_cpu(), "commweave: find_route_fault runs on CPU routes");
   check_routes(indices, locations, indices.size(1), indices);
+  check_slots(num_experts, capacity);
   const auto idx = indices.contiguous();
   const auto loc = locations.contiguous();
   const int32_t* e = idx.const_data_ptr<int32_t>();
@@ -29,7 +32,8 @@ std::vector<int64_t> find_route_fault_cpu(const at::Tensor& indices, const at::T
   if (bad_location >= 0) {
     return {kBadLocation, bad_location};
   }
-  std::vector<int32_t> owner(static_cast<size_t>(num_experts * capacity), -1);
+  auto table = at::full({num_experts * capacity}, -1, idx.options());  // sizes checked above
+  int32_t* owner = table.mutable_data_ptr<int32_t>();
   for (int64_t r = 0; r < routes; ++r) {
     if (e[r] >= 0) {
       int32_t& slot_owner = owner[static_cast<int64_t>(e[r]) * capacity + c[r]];

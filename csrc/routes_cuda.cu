@@ -46,6 +46,9 @@ __global__ void collision_kernel(const int32_t* indices, const int32_t* location
 cudaError_t launch_find_route_faults(const int32_t* indices, const int32_t* locations, int64_t routes,
                                      int64_t num_experts, int64_t capacity, int32_t* claimant,
                                      unsigned long long* faults, cudaStream_t stream) {
+  if (!routes_fit(routes, num_experts, capacity)) {
+    return cudaErrorInvalidValue;
+  }
   if (routes == 0) {
     return cudaSuccess;
   }

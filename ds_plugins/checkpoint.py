@@ -34,7 +34,7 @@ from deepspeed.utils import logger
 from torch import nn
 
 from commweave import comm
-from ds_plugins import experts, zero_checkpoint
+from ds_plugins import experts, manifest, zero_checkpoint
 from ds_plugins.experts import EspShard
 
 
@@ -122,7 +122,9 @@ def _slice_optimizer_states(optimizer, state_dict: dict) -> dict:
 
 
 def install(engine) -> None:
-    """Make the engine's optimizer state portable too (``ds_plugins.initialize`` calls it)."""
+    """Make the engine's optimizer state portable too (``ds_plugins.initialize`` calls it), and give its
+    checkpoints a manifest of checksums, verified on load (ds_plugins.manifest)."""
+    manifest.install(engine)
     if not any(hasattr(p, "esp_shard") for p in engine.module.parameters()):
         return
     optimizer = engine.optimizer

@@ -10,22 +10,28 @@ Three paths, reported by :func:`backend`: ``"cuda"`` and ``"cpu"`` run the kerne
 ``ds_plugins._C`` (csrc/); ``"torch"`` runs :mod:`ds_plugins.reference`, with one warning saying why
 (the extension is not built, or was built without CUDA kernels and the tensors are on a GPU).
 
-Every argument is checked before any kernel runs; bad input raises ValueError naming the argument and
-the rule. Two live routes claiming the same (expert, slot) are rejected too: DeepSpeed's gates never
-produce that, and a buffer slot can hold one token. The value checks (index ranges, slot collisions)
-are one pass over the k·S routes (C++ on the CPU; two small kernels and one copy to the host, i.e. one
-synchronisation, on a GPU); combine reuses dispatch's verdict on the same unmodified route tensors, and
-the checks are skipped while torch.compile traces and for meta tensors.
+Every argument is checked before any kernel runs; bad input raises ValueError naming the argument, the
+value and the rule (commweave.values). Sizes are bounded by what the kernels index with: E and C by int32
+(expert indices and locations are int32), k·S by int32 (routes are numbered j·S + s), and every buffer a
+kernel allocates or copies by values.MAX_ALLOC_BYTES (2**47), all computed exactly before anything is
+allocated (E·C = 2**32 · 2**32 wraps to 0 in int64). The C++ ops check the same with TORCH_CHECK for
+direct callers (csrc/routes.h). Two live routes claiming the same (expert, slot) are rejected too:
+DeepSpeed's gates never produce that, and a buffer slot can hold one token. The value checks (index
+ranges, slot collisions) are one pass over the k·S routes (C++ on the CPU; two small kernels and one copy
+to the host, i.e. one synchronisation, on a GPU) and run on every call, combine's included: a verdict
+cached from dispatch cannot be tied to the route tensors' contents, because their version counters miss
+writes through ``.data``, ``.numpy()`` or DLPack (issue 22: two routes on one slot were accepted that
+way). The checks are skipped while torch.compile traces and for meta tensors.
 """
 
 from __future__ import annotations
 
-import operator
+import os
 import warnings
-import weakref
 
 import torch
 
+from commweave import values
 from ds_plugins import reference
 
 try:
@@ -80,16 +86,38 @@ def _check_tensor(name: str, t, shape: str, ndim: int, dtypes: tuple[torch.dtype
         raise ValueError(f"{name} {shape} must have dtype {allowed}, got {t.dtype}")
 
 
-def _check_count(name: str, value, minimum: int) -> int:
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        count = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
-    if count < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {count}")
-    return count
+def _check_count(name: str, value, minimum: int, why: str) -> int:
+    return values.integer(value, name, lo=minimum, hi=values.INT32_MAX, unit=why)
+
+
+_HOST_RAM = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _memory(device: torch.device) -> tuple[int, str]:
+    """The most bytes one buffer on ``device`` can take, and its name: the device's memory (a GPU's, or
+    the host's RAM), at most values.MAX_ALLOC_BYTES (the bound alone while torch.compile traces: the
+    device query is not traceable; the C++ ops check 2**47 again)."""
+    if device.type == "cuda" and not torch.compiler.is_compiling():
+        total, what = torch.cuda.get_device_properties(device).total_memory, f"the memory of {device}"
+    elif device.type == "cpu":
+        total, what = _HOST_RAM, "this host's RAM"
+    else:
+        total, what = values.MAX_ALLOC_BYTES, "2**47, what a process can address"
+    return (total, what) if total <= values.MAX_ALLOC_BYTES else (values.MAX_ALLOC_BYTES, "2**47")
+
+
+def _check_bytes(name: str, shape, t: torch.Tensor) -> None:
+    """The buffer ``name`` [shape] of ``t``'s dtype (an output, or a contiguous copy a kernel makes of a
+    strided input) must fit in its device's memory: refused here rather than by the allocator."""
+    limit, what = _memory(t.device)
+    values.product(name, [*shape, t.element_size()], limit=limit, unit="bytes", limit_name=what)
+
+
+def _check_slots(num_experts: int, capacity: int, device: torch.device) -> None:
+    """The slot table [E·C] int32 of the route check and of dispatch."""
+    limit, what = _memory(device)
+    values.product("the slot table [E·C] int32", [num_experts, capacity, 4], limit=limit, unit="bytes",
+                   limit_name=what)
 
 
 def _check_route_shapes(indices, locations, num_tokens: int, source: str, device: torch.device) -> None:
@@ -104,6 +132,8 @@ def _check_route_shapes(indices, locations, num_tokens: int, source: str, device
     if routed_tokens != num_tokens:
         raise ValueError(f"indices [k, S] has S = {routed_tokens} tokens but {source} has {num_tokens}: "
                          "S must match")
+    values.product("indices [k, S]", [k, routed_tokens], limit=values.INT32_MAX,
+                   unit="routes (numbered j·S + s in int32)")
     for name, t in (("indices", indices), ("locations", locations)):
         if t.device != device:
             raise ValueError(f"{name} is on {t.device} but {source} is on {device}: use one device")
@@ -134,44 +164,17 @@ def _find_route_fault_torch(indices: torch.Tensor, locations: torch.Tensor, num_
     return []
 
 
-class _LastChecked:
-    """The routes checked last: combine reuses dispatch's verdict on the very same, unmodified tensors
-    (the same objects, same version counters), which spares a second pass and, on a GPU, a second sync.
-    Tensors made under ``torch.inference_mode`` have no version counter: they are checked every time."""
-
-    def __init__(self) -> None:
-        self.refs: tuple[weakref.ref, weakref.ref] | None = None
-        self.state: tuple[int, int, int, int] = (0, 0, 0, 0)
-
-    def hit(self, indices, locations, num_experts: int, capacity: int) -> bool:
-        if indices.is_inference() or locations.is_inference():
-            return False
-        return (self.refs is not None and self.refs[0]() is indices and self.refs[1]() is locations
-                and self.state == (indices._version, locations._version, num_experts, capacity))
-
-    def store(self, indices, locations, num_experts: int, capacity: int) -> None:
-        if indices.is_inference() or locations.is_inference():
-            return
-        self.refs = (weakref.ref(indices), weakref.ref(locations))
-        self.state = (indices._version, locations._version, num_experts, capacity)
-
-
-_last_checked = _LastChecked()
-
-
 def _check_route_values(indices: torch.Tensor, locations: torch.Tensor, num_experts: int,
                         capacity: int) -> None:
-    """Index ranges and slot collisions of live routes (skipped while tracing: they read values)."""
+    """Index ranges and slot collisions of live routes, on every call (skipped while tracing: they read
+    values)."""
     if indices.device.type == "meta" or torch.compiler.is_compiling():
-        return
-    if _last_checked.hit(indices, locations, num_experts, capacity):
         return
     if backend(indices.device) != "torch":
         fault = torch.ops.commweave.find_route_fault(indices, locations, num_experts, capacity)
     else:
         fault = _find_route_fault_torch(indices, locations, num_experts, capacity)
     if not fault:
-        _last_checked.store(indices, locations, num_experts, capacity)
         return
     num_tokens = indices.shape[1]
     j, s = divmod(fault[1], num_tokens)
@@ -194,9 +197,12 @@ def dispatch(x: torch.Tensor, indices: torch.Tensor, locations: torch.Tensor, nu
     in x (its gradient sums the k routes of each token).
     """
     _check_tensor("x", x, "[S, M]", 2, _FLOATS)
-    num_experts = _check_count("num_experts", num_experts, 1)
-    capacity = _check_count("capacity", capacity, 0)
+    num_experts = _check_count("num_experts", num_experts, 1, "expert indices are int32")
+    capacity = _check_count("capacity", capacity, 0, "locations are int32")
     _check_route_shapes(indices, locations, x.shape[0], "x [S, M]", x.device)
+    _check_bytes("x [S, M]", x.shape, x)
+    _check_bytes("the output [E, C, M]", (num_experts, capacity, x.shape[1]), x)
+    _check_slots(num_experts, capacity, x.device)
     _check_route_values(indices, locations, num_experts, capacity)
     path = backend(x.device)
     if path == "torch":
@@ -222,8 +228,11 @@ def combine(expert_output: torch.Tensor, indices: torch.Tensor, locations: torch
         raise ValueError(f"gates is on {gates.device} but expert_output is on {expert_output.device}: "
                          "use one device")
     num_experts, capacity, _ = expert_output.shape
-    if num_experts < 1:
-        raise ValueError("expert_output [E, C, M] must have E >= 1 experts, got 0")
+    _check_count("expert_output [E, C, M]'s E", num_experts, 1, "expert indices are int32")
+    _check_count("expert_output [E, C, M]'s C", capacity, 0, "locations are int32")
+    _check_bytes("expert_output [E, C, M]", expert_output.shape, expert_output)
+    _check_bytes("the output [S, M]", (gates.shape[1], expert_output.shape[2]), expert_output)
+    _check_slots(num_experts, capacity, expert_output.device)
     _check_route_values(indices, locations, num_experts, capacity)
     path = backend(expert_output.device)
     if path == "torch":

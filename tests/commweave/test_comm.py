@@ -138,10 +138,14 @@ def test_timeout_setting(monkeypatch):
     assert comm.timeout_s() == comm.DEFAULT_TIMEOUT_S
     monkeypatch.setenv("COMMWEAVE_TIMEOUT_S", "2.5")
     assert comm.timeout_s() == 2.5
-    for bad in ("0", "-1", "abc", "inf", "nan", ""):
+    # under 1 ms torch reads a wait's timeout as none at all, from 1e14 s it overflows: one range for all
+    for bad in ("0", "-1", "abc", "inf", "nan", "", "0.0005", "0.999", "1e14", "604801", " 5", "1_0"):
         monkeypatch.setenv("COMMWEAVE_TIMEOUT_S", bad)
-        with pytest.raises(ValueError, match=rf"COMMWEAVE_TIMEOUT_S='{bad}': .* finite number of seconds"):
+        with pytest.raises(ValueError, match=rf"COMMWEAVE_TIMEOUT_S='{bad}': the communication timeout must "
+                                             r"be a finite number of seconds in \[1, 604800\]"):
             comm.timeout_s()
+    monkeypatch.setenv("COMMWEAVE_TIMEOUT_S", "604800")
+    assert comm.timeout_s() == 604800.0
     comm.set_timeout(7)
     try:
         assert comm.timeout_s() == 7.0  # the setting wins over the (bad) variable
@@ -152,6 +156,9 @@ def test_timeout_setting(monkeypatch):
     with pytest.raises(ValueError, match=r"timeout=True: .* finite number of seconds"):
         comm.set_timeout(True)
     assert comm.check_seconds("2.5", "--commweave-timeout-s") == 2.5
+    for bad in (1e-4, 1e14, 0.5):
+        with pytest.raises(ValueError, match=rf"timeout={bad!r}: .* seconds in \[1, 604800\]"):
+            comm.set_timeout(bad)
 
 
 def _frozen_peer(op):
@@ -221,3 +228,41 @@ def test_disagreeing_sizes_and_refusals_raise_on_every_rank(world):
     assert msgs[0][1] == "rank 1 (and 1 other rank(s)): x=3 must be even"
     assert msgs[0][2] == "x=3 must be even"  # a refusal comes before a disagreement on values
     assert msgs[0][3] == "rank 0: " + "é" * 256
+
+
+def _timeout_cases():
+    """Each rank's verdict on one set-up agreement per case: a rank with another timeout, a rank whose
+    COMMWEAVE_TIMEOUT_S is refused, and the same for the values-only agreement (check_agree)."""
+    import os
+
+    me, world, out = dist.get_rank(), dist.group.WORLD, []
+    for case in ("another timeout", "refused variable", "check_agree: another timeout"):
+        try:
+            if case.endswith("another timeout"):
+                comm.set_timeout(5 if me == 2 else 300)
+            elif me == 1:
+                os.environ["COMMWEAVE_TIMEOUT_S"] = "0.0005"   # torch would read it as "no timeout"
+            if case.startswith("check_agree"):
+                comm.check_agree(world, "set-up", rows=16)
+            else:
+                comm.agree(world, "set-up", None, rows=16)
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+        finally:
+            comm.set_timeout(None)
+            os.environ.pop("COMMWEAVE_TIMEOUT_S", None)
+    return out
+
+
+@pytest.mark.world_size(4)
+def test_the_communication_timeout_is_agreed_on_every_rank(world):
+    msgs = world.run(_timeout_cases)
+    assert all(m == msgs[0] for m in msgs), msgs
+    assert msgs[0][0] == ("set-up: the ranks of group world must agree on the communication timeout (s), got "
+                          "the communication timeout (s): rank 0=300.0, rank 1=300.0, rank 2=5.0, "
+                          "rank 3=300.0")
+    assert msgs[0][1] == ("rank 1: COMMWEAVE_TIMEOUT_S='0.0005': the communication timeout must be a finite "
+                          "number of seconds in [1, 604800] (1 s to 1 week: shorter would fail healthy waits "
+                          "and under 1 ms means no timeout to torch)")
+    assert msgs[0][2].startswith("set-up: the ranks of group world must agree on the communication timeout")

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from commweave import files, values
-from commweave.values import Refused
 
 
-def _refused(fn, *args, match: str = "", **kwargs) -> Refused:
-    with pytest.raises(Refused) as info:
+def _refused(fn, *args, match: str = "", **kwargs) -> ValueError:
+    with pytest.raises(ValueError) as info:
         fn(*args, **kwargs)
+    assert type(info.value) is ValueError, type(info.value)       # plain: callers compare the type's name
     assert str(info.value).startswith(f"{info.value.name}={info.value.value!r}: "), str(info.value)
+    assert str(info.value).endswith(info.value.rule)
     assert re.search(match, str(info.value)), (match, str(info.value))
     return info.value
 

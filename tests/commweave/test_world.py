@@ -72,6 +72,14 @@ def test_timeout_kills_the_world():
         assert w.run(_sleep_on, 0, 0) == [0, 1]
 
 
-def test_world_size_validated():
-    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+def test_world_size_and_timeouts_validated():
+    with pytest.raises(ValueError, match=r"world_size=0: must be an integer in \[1, 4096\]"):
         World(0)
+    for bad in (0.0005, 0, -1, 1e14, float("nan"), True):
+        with pytest.raises(ValueError, match=r"World.timeout=.*: the timeout must be a finite number of "
+                                             r"seconds in \[1, 604800\]"):
+            World(2, timeout=bad)
+        with pytest.raises(ValueError, match=r"World.start_timeout="):
+            World(2, start_timeout=bad)
+    with pytest.raises(ValueError, match=r"World.run\(timeout\)=0.0001: "):
+        World(1).run(print, timeout=1e-4)

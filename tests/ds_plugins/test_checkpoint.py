@@ -57,7 +57,8 @@ def test_parm_writes_deepspeeds_files(world, tmp_path, stage):
     """The files Parm writes are DeepSpeed's: the same names, keys, shapes and (to float tolerance) values
     as plain DeepSpeed's MoE writes for the same training, optimizer states included."""
     world.run(_save_both, str(tmp_path), stage)
-    ds_files, parm_files = (sorted(os.path.basename(f) for f in glob.glob(f"{tmp_path}/{run}/t/*"))
+    ds_files, parm_files = (sorted(os.path.basename(f) for f in glob.glob(f"{tmp_path}/{run}/t/*")
+                                   if "commweave_manifest" not in f)   # Parm's adds its manifests
                             for run in ("deepspeed", "parm"))
     assert ds_files == parm_files and any("layer_1_expert_7" in f for f in ds_files), ds_files
     compared = 0

@@ -41,9 +41,11 @@ def _dispatch_cases():
         "locations shape": ((x, idx, loc[:1], E, C), r"locations \(1, 6\) must have the shape of indices"),
         "S mismatch": ((x[:5], idx, loc, E, C), r"indices \[k, S\] has S = 6 tokens but x \[S, M\] has 5"),
         "k = 0": ((x, idx[:0], loc[:0], E, C), r"k >= 1 routes per token, got k = 0"),
-        "num_experts": ((x, idx, loc, 0, C), r"num_experts must be an integer >= 1, got 0"),
-        "capacity float": ((x, idx, loc, E, 4.0), r"capacity must be an integer >= 0, got 4.0"),
-        "capacity bool": ((x, idx, loc, E, True), r"capacity must be an integer >= 0, got True"),
+        "num_experts": ((x, idx, loc, 0, C), r"num_experts=0: must be an integer in \[1, 2147483647\] "
+                                             r"\(expert indices are int32\)"),
+        "capacity float": ((x, idx, loc, E, 4.0), r"capacity=4.0: must be an integer in \[0, 2147483647\] "
+                                                  r"\(locations are int32\)"),
+        "capacity bool": ((x, idx, loc, E, True), r"capacity=True: must be an integer in \[0, "),
         "index too big": ((x, _with(idx, (1, 2), 3), loc, E, C),
                           r"indices\[1, 2\] = 3: expert indices must be -1 \(dropped route\) or in "
                           r"\[0, num_experts = 3\)"),
@@ -76,7 +78,8 @@ def _combine_cases():
         "gates k": ((eo, idx, loc, gates[:1]), r"gates \(1, 6\) must have the shape of indices \(2, 6\)"),
         "gates S": ((eo, idx, loc, gates[:, :5]),
                     r"indices \[k, S\] has S = 6 tokens but gates \[k, S\] has 5"),
-        "no experts": ((eo[:0], idx, loc, gates), r"expert_output \[E, C, M\] must have E >= 1"),
+        "no experts": ((eo[:0], idx, loc, gates), r"expert_output \[E, C, M\]'s E=0: must be an integer "
+                                                  r"in \[1, "),
         "index too big": ((eo[:2], idx, loc, gates), r"indices\[0, 2\] = 2: .* \[0, num_experts = 2\)"),
         "location >= capacity": ((eo[:, :2], idx, loc, gates), r"locations\[1, 0\] = 2 on a live route"),
         "gates device": ((eo, idx, loc, gates.to("meta")), r"gates is on meta but expert_output is on cpu"),

@@ -98,7 +98,7 @@ INITIALIZE = {  # name: (bad rank or None, change, expected text)
     "enabled false, rank 2": (2, {"enabled": False}, "must agree on enabled, got enabled: rank 0=1, "
                               "rank 1=1, rank 2=0"),
     "timeout_s -1, rank 3": (3, {"timeout_s": -1}, "rank 3: ds_plugins.initialize: parm timeout_s=-1: the "
-                             "communication timeout must be a finite number of seconds > 0"),
+                             "communication timeout must be a finite number of seconds in [1, 604800]"),
     "config file missing, rank 0": (0, "missing file", "rank 0: ds_plugins.initialize: DeepSpeed config file "
                                     "'/nonexistent/ds_config.json' cannot be read: No such file or "
                                     "directory"),
@@ -262,6 +262,7 @@ def _check(results: list[dict], expected: dict[str, str | list[str]], allowed: s
 
 
 @pytest.mark.slow
+@pytest.mark.fault("refused", kind="bad input: Parm (4 ranks)", cases=len(FORWARD) + len(SETTINGS))
 @pytest.mark.world_size(WORLD)
 def test_parm_forward_and_set_up_refuse_on_every_rank(world):
     results = world.run(_parm_cases)
@@ -272,6 +273,7 @@ def test_parm_forward_and_set_up_refuse_on_every_rank(world):
 
 
 @pytest.mark.slow
+@pytest.mark.fault("refused", kind="bad input: Parm (4 ranks)", cases=len(INITIALIZE))
 @pytest.mark.world_size(WORLD)
 def test_initialize_refuses_on_every_rank_before_deepspeed_initialize(world):
     results = world.run(_initialize_cases)
@@ -353,7 +355,8 @@ MODULE = {  # WallFacerAttention: name: (bad rank or None, change, expected text
     "cp_comm_type a2a+p2p, every rank": (None, "a2a+p2p", "WallFacerAttention: cp_comm_type='a2a+p2p': use "
                                          "one of (None, 'p2p', 'wallfacer')"),
     "timeout_s 0 in the config, every rank": (None, {"timeout_s": 0}, "--commweave-timeout-s=0: the "
-                                              "communication timeout must be a finite number of seconds > 0"),
+                                              "communication timeout must be a finite number of seconds in "
+                                              "[1, 604800]"),
 }
 
 
@@ -443,6 +446,7 @@ def _module_cases() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.fault("refused", kind="bad input: WallFacer (4 ranks)", cases=len(ATTENTION) + len(MODULE))
 @pytest.mark.world_size(WORLD)
 def test_wallfacer_refuses_on_every_rank_before_any_ring_step(world):
     results = world.run(_wallfacer_cases)
@@ -473,7 +477,7 @@ PARM_SECTION = {  # the section (or the whole config, for "config:") -> expected
     "cost_cache list": ({"cost_cache": ["a"]}, "parm cost_cache=['a'] must be a file path"),
     "timeout_s 0": ({"timeout_s": 0}, "parm timeout_s=0: the communication timeout must be a finite "
                                       "number of "
-                    "seconds > 0"),
+                    "seconds in [1, 604800]"),
     "timeout_s -1": ({"timeout_s": -1}, "parm timeout_s=-1: the communication timeout"),
     "timeout_s 'abc'": ({"timeout_s": "abc"}, "parm timeout_s='abc': the communication timeout"),
     "timeout_s nan": ({"timeout_s": math.nan}, "parm timeout_s=nan: the communication timeout"),
@@ -490,6 +494,7 @@ PARM_SECTION = {  # the section (or the whole config, for "config:") -> expected
 }
 
 
+@pytest.mark.fault("refused", kind="bad input: Parm (one process)")
 @pytest.mark.parametrize("case", list(PARM_SECTION))
 def test_parm_section(case, tmp_path):
     from ds_plugins.config import ParmConfig
@@ -546,6 +551,7 @@ LAYER_ARGS = {  # ParmMoE(**change) -> expected text
 }
 
 
+@pytest.mark.fault("refused", kind="bad input: Parm (one process)")
 @pytest.mark.parametrize("case", list(LAYER_ARGS))
 def test_parm_layer_arguments(case):
     from ds_plugins import ParmMoE
@@ -568,10 +574,12 @@ def _routes():
 DISPATCH = {  # (op, change) -> expected text; cases not in tests/ds_plugins/test_dispatch_inputs.py
     "dispatch: x float8": (("dispatch", "x f8"), "x [S, M] must have dtype float16, bfloat16, float32, "
                            "float64, got torch.float8_e4m3fn"),
-    "dispatch: num_experts '3'": (("dispatch", "E str"), "num_experts must be an integer >= 1, got '3'"),
-    "dispatch: num_experts 2.5": (("dispatch", "E float"), "num_experts must be an integer >= 1, got 2.5"),
-    "dispatch: num_experts True": (("dispatch", "E bool"), "num_experts must be an integer >= 1, got True"),
-    "dispatch: capacity -1": (("dispatch", "C neg"), "capacity must be an integer >= 0, got -1"),
+    "dispatch: num_experts '3'": (("dispatch", "E str"), "num_experts='3': must be an integer in "
+                                                         "[1, 2147483647]"),
+    "dispatch: num_experts 2.5": (("dispatch", "E float"), "num_experts=2.5: must be an integer in [1, "),
+    "dispatch: num_experts True": (("dispatch", "E bool"), "num_experts=True: must be an integer in [1, "),
+    "dispatch: capacity -1": (("dispatch", "C neg"), "capacity=-1: must be an integer in [0, 2147483647] "
+                                                     "(locations are int32)"),
     "dispatch: locations int64": (("dispatch", "loc long"), "locations [k, S] must have dtype int32, got "
                                   "torch.int64"),
     "dispatch: locations a list": (("dispatch", "loc list"), "locations must be a torch.Tensor [k, S], "
@@ -591,6 +599,7 @@ DISPATCH = {  # (op, change) -> expected text; cases not in tests/ds_plugins/tes
 }
 
 
+@pytest.mark.fault("refused", kind="bad input: dispatch / combine")
 @pytest.mark.parametrize("case", list(DISPATCH))
 def test_dispatch_combine(case):
     from ds_plugins.dispatch import combine, dispatch
@@ -643,7 +652,7 @@ BASE = "--context-parallel-size 8 --seq-length 4096 --num-attention-heads 8 --at
 
 MEGATRON_ARGS = {  # extra command line -> expected text (argparse errors: the message it prints)
     "--commweave-timeout-s 0": "--commweave-timeout-s='0': the communication timeout must be a finite number "
-                               "of seconds > 0",
+                               "of seconds in [1, 604800]",
     "--commweave-timeout-s abc": "--commweave-timeout-s='abc': the communication timeout",
     "--commweave-timeout-s nan": "--commweave-timeout-s='nan': the communication timeout",
     "--commweave-timeout-s -5": "--commweave-timeout-s='-5': the communication timeout",
@@ -676,6 +685,7 @@ MEGATRON_ARGS = {  # extra command line -> expected text (argparse errors: the m
 }
 
 
+@pytest.mark.fault("refused", kind="bad input: WallFacer (one process)")
 @pytest.mark.parametrize("extra", list(MEGATRON_ARGS))
 def test_megatron_arguments(extra):
     from megatron_patches.args import WallFacerConfig, add_wallfacer_args

@@ -213,6 +213,7 @@ def _run(zygote, scenario: str, sig: int, out: Path) -> tuple[dict, float]:
     return reports, float((out / "fault").read_text())
 
 
+@pytest.mark.fault("harmless", kind="dead or frozen rank")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_a_dead_or_frozen_rank_fails_every_other_rank_within_the_timeout(zygote, tmp_path, scenario, sig):

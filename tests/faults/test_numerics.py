@@ -143,6 +143,7 @@ def _parm_numerics() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.fault("harmless", kind="numbers at the edges", cases=len(PARM_CASES))
 @pytest.mark.world_size(4)
 def test_parm_edge_cases_equal_deepspeeds_moe(world):
     bad = []
@@ -231,6 +232,7 @@ def _wallfacer_numerics() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.fault("harmless", kind="numbers at the edges", cases=len(ATTENTION_CASES))
 @pytest.mark.world_size(4)
 def test_wallfacer_non_finite_entries_lie_between_exact_and_dense_attention(world):
     bad = []
@@ -245,6 +247,7 @@ def test_wallfacer_non_finite_entries_lie_between_exact_and_dense_attention(worl
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.fault("harmless", kind="numbers at the edges")
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["NaN", "Inf"])
 def test_a_non_finite_gate_spoils_its_token_only(value):
     from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode

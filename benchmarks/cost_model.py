@@ -25,6 +25,7 @@ import json
 import math
 import os
 import statistics
+import sys
 
 import torch
 
@@ -159,7 +160,7 @@ def main(argv=None) -> dict:
     calib = config(["--out", os.devnull, "--reps", str(args.calib_reps), "--rows", *map(str, args.rows),
                     "--sizes-log2", *map(str, args.sizes_log2), "--heads", "2", "--head-dim",
                     str(args.head_dim)])
-    calib["command"] = "benchmarks.cost_model " + " ".join(argv or [])
+    calib["command"] = "python -m benchmarks.cost_model " + " ".join(sys.argv[1:] if argv is None else argv)
     out = {f"P{w}": world_table(w, args, calib) for w in args.worlds}
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -265,7 +266,7 @@ def config(argv=None) -> dict:
 
 def main(argv=None) -> Profile:
     cfg = config(argv)
-    cfg["command"] = "python -m megatron_patches.calibrate " + " ".join(argv or [])
+    cfg["command"] = "python -m megatron_patches.calibrate " + " ".join(sys.argv[1:] if argv is None else argv)
     prof = calibrate(cfg)[cfg["clock"]]
     save(prof, cfg["out"])
     print(json.dumps(prof.to_json()))

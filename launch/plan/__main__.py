@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 
+from commweave import values
 from launch.plan import baselines
 from launch.plan import topology as topology_mod
 from launch.plan.estimate import ModelSpec
@@ -113,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="print only the plan as JSON (what the launcher exports)")
     args = ap.parse_args(argv)
     try:
+        # the destinations first: a missing directory used to fail after the whole search
+        for flag, path in (("--timeline", args.timeline), ("--trace", args.trace)):
+            if path is not None:
+                values.write_target(path, flag)
+        if args.timeline:
+            _need_matplotlib()
         topo = topology_mod.load(args.topology)
         model = load_model(topo, args.atlas_model)
         atlas = choose(topo, model, args.wan_connections, args.sharing, DEFAULT_WINDOW)
@@ -155,12 +162,6 @@ def main(argv: list[str] | None = None) -> int:
         out["utilisation_bubbletea"] = bt.utilisation
         out["prefill_tokens_per_s"] = bt.prefill_tokens_per_s
     if args.timeline:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("error: --timeline needs matplotlib (a commweave requirement): pip install matplotlib",
-                  file=sys.stderr)
-            return 2
         if args.timeline_span:
             title += f"; {args.timeline_span[0]:g}-{args.timeline_span[1]:g} s shown"
         draw(args.timeline, ops, atlas.result.iteration, title, labels(atlas), window=args.timeline_span)
@@ -170,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trace: {args.trace}")
     print(json.dumps(out))
     return 0
+
+
+def _need_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--timeline needs matplotlib (a commweave requirement): pip install matplotlib") from None
 
 
 def _span(text: str) -> tuple[float, float]:

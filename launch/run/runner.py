@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from unittest import mock
 
+from commweave import values
 from launch.net.sockets import nccl_env
 from launch.plan import topology
 from launch.plan.placement import load_model, make_plan, render
@@ -142,7 +143,7 @@ def prepare(argv: list[str], environ: Mapping[str, str] | None = None) -> Launch
         env.update(nccl_env(plan.connections, links, environ))
     env[runtime.ENV_PLAN] = plan.encode()
     if args.atlas_timeout is not None:
-        env[TIMEOUT_ENV] = str(topology.check_seconds(args.atlas_timeout, "--atlas-timeout"))
+        env[TIMEOUT_ENV] = str(values.seconds(args.atlas_timeout, "--atlas-timeout", strings=True))
     elif TIMEOUT_ENV not in environ and topo.timeout_s is not None:
         env[TIMEOUT_ENV] = str(topo.timeout_s)
 
@@ -238,36 +239,47 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _check_arguments(args) -> None:
-    """Host names, addresses and ports given on the command line follow the topology file's rules."""
+    """Host names, addresses, ports and the timeout given on the command line: commweave.values' rules."""
     for name in ("master_port", "ssh_port"):
-        port = getattr(args, name)
-        if port is not None and not 1 <= port <= 65535:
-            raise ValueError(f"--{name} {port}: a TCP port is an integer in 1..65535")
+        if getattr(args, name) is not None:
+            values.port(getattr(args, name), f"--{name}")
     if args.master_addr:
-        topology.check_addr(args.master_addr, "--master_addr")
+        values.address(args.master_addr, "--master_addr")
     if args.atlas_host is not None:
-        topology.check_host_name(args.atlas_host, "--atlas-host")
+        values.host_name(args.atlas_host, "--atlas-host")
     if args.atlas_timeout is not None:
-        topology.check_seconds(args.atlas_timeout, "--atlas-timeout")
+        values.seconds(args.atlas_timeout, "--atlas-timeout", strings=True)
+
+
+# Integer knobs exported to the nodes that NCCL reads (NCCL takes -1 or garbage for its default or worse:
+# NCCL_BUFFSIZE=-1 reached every node); the ranges are NCCL's own limits or what a node can allocate.
+NCCL_INTEGERS = {"NCCL_BUFFSIZE": (4096, 2**30, "bytes per channel buffer"),
+                 "NCCL_SOCKET_NTHREADS": (1, 16, "threads"), "NCCL_NSOCKS_PERTHREAD": (1, 64, "sockets"),
+                 "NCCL_MIN_NCHANNELS": (1, 64, "channels"), "NCCL_MAX_NCHANNELS": (1, 64, "channels"),
+                 "NCCL_NTHREADS": (64, 512, "threads"), "NCCL_P2P_NET_CHUNKSIZE": (1024, 2**30, "bytes")}
 
 
 def _check_environment(environ: Mapping[str, str]) -> None:
-    """Variables this launcher reads or exports: interface lists, the timeout, exported names."""
+    """Variables this launcher reads or exports: interface lists, NCCL's integer knobs, the timeout,
+    exported names."""
     from deepspeed.launcher import runner
 
     gloo = environ.get("GLOO_SOCKET_IFNAME")
     if gloo is not None:
         for part in gloo.split(","):
-            topology.check_ifname(part, f"GLOO_SOCKET_IFNAME={gloo!r}: entry")
+            values.ifname(part, f"GLOO_SOCKET_IFNAME={gloo!r}: entry")
     nccl = environ.get("NCCL_SOCKET_IFNAME")
     if nccl is not None and not _NCCL_IFNAME.fullmatch(nccl):
-        raise ValueError(f"NCCL_SOCKET_IFNAME={nccl!r}: must be interface names or prefixes separated by "
-                         f"',' with an optional leading '^' (exclude) or '=' (exact); each is "
-                         f"{topology.IFNAME_RULE}")
+        values.refuse("NCCL_SOCKET_IFNAME", nccl, "must be interface names or prefixes separated by ',' with "
+                      f"an optional leading '^' (exclude) or '=' (exact); each "
+                      f"{values.IFNAME_RULE.removeprefix('must be ')}")
+    for key, (lo, hi, unit) in NCCL_INTEGERS.items():
+        if key in environ:
+            values.integer(environ[key], key, lo=lo, hi=hi, unit=unit, strings=True)
     if TIMEOUT_ENV in environ:
-        topology.check_seconds(environ[TIMEOUT_ENV], TIMEOUT_ENV)
+        values.seconds(environ[TIMEOUT_ENV], TIMEOUT_ENV, strings=True)
     if "ATLAS_HOST" in environ:
-        topology.check_host_name(environ["ATLAS_HOST"], "ATLAS_HOST")
+        values.host_name(environ["ATLAS_HOST"], "ATLAS_HOST")
     prefixes = tuple(EXPORT_PREFIXES + runner.EXPORT_ENVS)
     for key in environ:
         if key.startswith(prefixes):

@@ -22,9 +22,9 @@ import json
 import sys
 
 from commweave import values
-from launch.plan import baselines
+from launch.plan import baselines, gain
 from launch.plan import topology as topology_mod
-from launch.plan.estimate import ModelSpec
+from launch.plan.estimate import ModelSpec, stage_layers
 from launch.plan.placement import atlas_layouts, choose, load_model, plan_of, render
 from launch.plan.search import Choice, best
 from launch.plan.socket_limits import DEFAULT_WINDOW, tcp_advice
@@ -32,45 +32,64 @@ from launch.plan.timeline import Op, draw, write_trace
 from launch.plan.topology import Topology
 
 
-def compare(topo: Topology, model: ModelSpec, window: float = DEFAULT_WINDOW) -> dict[str, Choice | None]:
-    """Each baseline's fastest layout by simulation (None: it has none)."""
-    return {name: best(topo, model, layouts(topo, model), window)
-            for name, layouts in baselines.LAYOUTS.items()}
-
-
 def describe(c: Choice) -> str:
     lay = c.layout
     dcs = sorted({d for stage in lay.dc for d in stage})
-    return f"pp={lay.pp} tp={lay.tp} dp={lay.dp} ({lay.gpus} GPUs; {'+'.join(dcs)})"
+    split = "even" if list(lay.stage_layers) == stage_layers(sum(lay.stage_layers), lay.pp) else \
+        "/".join(map(str, lay.stage_layers))
+    return f"pp={lay.pp} tp={lay.tp} dp={lay.dp} ({lay.gpus} GPUs; {'+'.join(dcs)}; layers {split})"
 
 
 def table(model: ModelSpec, atlas: Choice, others: dict[str, Choice | None],
-          across: Choice | None = None) -> str:
-    """One row per system; ``across``: ATLAS's best layout that spans data centers, shown when its
-    plan keeps to one DC (what crossing would cost with ATLAS's own WAN mechanisms)."""
+          across: Choice | None = None, title: str = "") -> str:
+    """One row per system with the limit its real system keeps; ``across``: ATLAS's best layout that
+    spans data centers, shown when its plan keeps to one DC (what crossing would cost with ATLAS's own
+    WAN mechanisms)."""
     tokens = model.global_batch * model.seq
-    rows = [("ATLAS", atlas)] + ([("ATLAS, across DCs", across)] if across else [])
-    rows += [(baselines.NAMES[k], c) for k, c in others.items()]
-    head = (f"  {'system':<26} {'layout':<48} {'iteration s':>11} {'tokens/s':>10} {'GPU util':>8} "
-            f"{'WAN GB':>9} {'ATLAS x':>8}")
-    lines = ["baselines (same topology, same simulator; WAN GB = bytes over the WAN per iteration)", head]
-    for name, c in rows:
+    rows = [("ATLAS", atlas, "")] + ([("ATLAS, across DCs", across, "")] if across else [])
+    rows += [(baselines.NAMES[k], c, baselines.LIMITS[k]) for k, c in others.items()]
+    head = (f"  {'system':<18} {'layout':<62} {'iteration s':>11} {'tokens/s':>10} {'GPU util':>8} "
+            f"{'WAN GB':>7} {'ATLAS x':>7}  held back by (the real system's limits)")
+    lines = [title or "baselines (same topology, same simulator, each with its own system's freedom; "
+                      "WAN GB = bytes over the WAN per iteration)", head]
+    for name, c, limit in rows:
         if c is None:
-            dash = f"{'-':>11} {'-':>10} {'-':>8} {'-':>9} {'-':>8}"
-            lines.append(f"  {name:<26} {'no layout fits':<48} {dash}")
+            dash = f"{'-':>11} {'-':>10} {'-':>8} {'-':>7} {'-':>7}"
+            lines.append(f"  {name:<18} {'no layout fits':<62} {dash}  {limit}")
             continue
         r = c.result
-        lines.append(f"  {name:<26} {describe(c):<48} {r.iteration:>11.4g} {tokens / r.iteration:>10.4g} "
-                     f"{100 * r.utilisation:>7.0f}% {r.wan_bytes / 1e9:>9.4g} "
-                     f"{r.iteration / atlas.result.iteration:>7.2f}x")
+        lines.append(f"  {name:<18} {describe(c):<62} {r.iteration:>11.4g} {tokens / r.iteration:>10.4g} "
+                     f"{100 * r.utilisation:>7.0f}% {r.wan_bytes / 1e9:>7.4g} "
+                     f"{r.iteration / atlas.result.iteration:>6.2f}x  {limit}")
     return "\n".join(lines)
 
 
+def decomposition(steps: list[gain.Step], where: str) -> str:
+    lines = [f"ATLAS's gain over the best baseline {where}, one mechanism at a time (launch.plan.gain: "
+             "each step the best layout with the mechanisms so far; the ratios multiply to the total)"]
+    for st in steps:
+        t = f"{st.seconds:.4g} s" if st.seconds is not None else "no layout fits"
+        r = f"{st.ratio:.2f}x" if st.ratio is not None else ""
+        lines.append(f"  {st.label:<44} {t:>12} {r:>7}")
+    known = [st.seconds for st in steps if st.seconds is not None]
+    if len(known) == len(steps) and steps:
+        lines.append(f"  {'total':<44} {'':>12} {steps[0].seconds / steps[-1].seconds:>6.2f}x")
+    return "\n".join(lines)
+
+
+def _fastest(choices: dict[str, Choice | None]) -> tuple[str | None, float | None]:
+    top = gain.best_of(choices)
+    return (top[0], top[1].result.iteration) if top else (None, None)
+
+
 def summary(topo: Topology, model: ModelSpec, atlas: Choice, others: dict[str, Choice | None],
-            across: Choice | None = None) -> dict:
+            across: Choice | None = None, same: dict[str, Choice | None] | None = None,
+            steps: list[gain.Step] = (), same_steps: list[gain.Step] = ()) -> dict:
     r, lay = atlas.result, atlas.layout
     times = {k: (c.result.iteration if c else None) for k, c in others.items()}
-    known = [t for t in times.values() if t is not None]
+    name, fastest = _fastest(others)
+    same_times = {k: (c.result.iteration if c else None) for k, c in (same or {}).items()}
+    same_name, same_fastest = _fastest(same or {})
     return {
         "topology": topo.source,
         "iteration_s": r.iteration,
@@ -85,7 +104,14 @@ def summary(topo: Topology, model: ModelSpec, atlas: Choice, others: dict[str, C
         "simulated": atlas.simulated,
         "baselines": times,
         "speedups": {k: (t / r.iteration if t else None) for k, t in times.items()},
-        "speedup_vs_best_baseline": (min(known) / r.iteration) if known else None,
+        "best_baseline": name,
+        "speedup_vs_best_baseline": fastest / r.iteration if fastest else None,
+        "baselines_same_gpus": same_times,
+        "best_baseline_same_gpus": same_name,
+        "speedup_vs_best_baseline_same_gpus": same_fastest / r.iteration if same_fastest else None,
+        "gain_steps": [{"step": st.label, "seconds": st.seconds, "ratio": st.ratio} for st in steps],
+        "gain_steps_same_gpus": [{"step": st.label, "seconds": st.seconds, "ratio": st.ratio}
+                                 for st in same_steps],
         "atlas_across_dcs_s": across.result.iteration if across else None,
     }
 
@@ -130,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(plan.to_json())
         return 0
-    others = compare(topo, model)
+    others = gain.compare(topo, model, DEFAULT_WINDOW)
+    same, same_steps = gain.same_gpus(topo, model, plan, atlas, DEFAULT_WINDOW)
+    steps = gain.decompose(topo, model, atlas, others, DEFAULT_WINDOW)
     across = None
     if not atlas.layout.crosses_wan and len(topo.datacenters) > 1:
         spanning = (lay for lay in atlas_layouts(topo, model, DEFAULT_WINDOW, args.wan_connections)
@@ -139,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                       (args.sharing,) if args.sharing else ("spatial", "temporal"))
     print(render(plan, topo, model))
     print(table(model, atlas, others, across))
+    print(table(model, atlas, same, title=f"the baselines on ATLAS's own {plan.world_size} GPUs (the hosts "
+                                          "and slots of its plan, every one used)"))
+    print(decomposition(steps, "anywhere"))
+    print(decomposition(same_steps, f"on ATLAS's {plan.world_size} GPUs"))
     links = [topo.link(plan.stage_dc[s], plan.stage_dc[s + 1]) for s in plan.wan_boundaries()]
     advice = tcp_advice(links, plan.wan_flows)
     if advice:
@@ -151,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"ATLAS on {topo.source}: pp={plan.pp} tp={plan.tp} dp={plan.dp}, "
              f"{r.iteration:.3g} s per iteration, GPU utilisation {100 * r.utilisation:.0f}%")
     ops = list(atlas.result.ops)   # the iteration's ops (launch.plan.timeline.Op)
-    out = summary(topo, model, atlas, others, across)
+    out = summary(topo, model, atlas, others, across, same, steps, same_steps)
     if args.bubbletea:
         from launch.bubbletea.simulate import for_plan, render_line
 

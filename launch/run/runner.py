@@ -10,8 +10,11 @@
 2. writes the DC-ordered hostfile and passes it as ``--hostfile`` (global ranks follow hostfile order,
    so the stages land in their data centers), and ``--master_addr`` from the first host's ``addr``
    (a one-host plan runs here: 127.0.0.1 and no ssh check, as plain ``deepspeed`` does without one);
-   ``--include/--exclude`` (DeepSpeed's ``NAME[:SLOT,...]@...``) select the hosts and slots the plan
-   may use, before it is made;
+   ``--hostfile``, ``--include/--exclude`` (DeepSpeed's ``NAME[:SLOT,...]@...``), ``--num_nodes`` and
+   ``--num_gpus`` select the hosts and slots the plan may use, before it is made, as ``deepspeed``
+   applies them (what contradicts the topology is refused); every other runner option reaches the
+   nodes or is refused with the reason (:data:`launch.run.launchers.REFUSED_OPTIONS`); script arguments
+   are never abbreviation-matched;
 3. sets ATLAS_*, NCCL_*, COMMWEAVE_TIMEOUT_S in the environment and hands over to DeepSpeed's own
    ``runner.main`` with the launcher subclasses of :mod:`launch.run.launchers`, which carry every value
    verbatim (pdsh quotes for the remote shell; MPI launchers and srun take arguments, not shell text).

@@ -1,13 +1,18 @@
 """``python -m launch.plan TOPOLOGY``: ATLAS's plan against the baselines on the same topology.
 
-Prints the plan (launch.plan.placement.render), a table with every system's best layout, iteration time,
-tokens/s, GPU utilisation and WAN bytes per iteration and ATLAS's speed-up over it, any warnings
-about this machine's TCP settings (they never change the plan), and ends with one JSON line::
+Prints the plan (launch.plan.placement.render); a table with every baseline's best layout with the
+freedom of its own system (launch.plan.baselines), iteration time, tokens/s, GPU utilisation, WAN bytes
+per iteration, ATLAS's speed-up over it and the limits the real system keeps; the same table on exactly
+ATLAS's GPUs; ATLAS's gain over the best baseline, anywhere and on its GPUs, one mechanism at a time
+(launch.plan.gain); any warnings about this machine's TCP settings (they never change the plan); and
+ends with one JSON line::
 
     {"iteration_s": ..., "tokens_per_s": ..., "utilisation": ..., "wan_bytes": ...,
-     "baselines": {"dp-wan": s, "stock": s, "varuna": s}, "speedups": {...},
-     "speedup_vs_best_baseline": ..., "layout": {...}, ...}
+     "baselines": {"deepspeed": s, "megatron": s, "varuna": s, "dp-wan": s}, "speedups": {...},
+     "best_baseline": ..., "speedup_vs_best_baseline": ..., "speedup_vs_best_baseline_same_gpus": ...,
+     "gain_steps": [...], "gain_steps_same_gpus": [...], "layout": {...}, ...}
 
+``--no-baselines`` skips the baselines and the decomposition (most of the run time).
 A baseline with no layout that fits (or that cannot span the DCs it must span) shows as null.
 ``--timeline FILE.png`` draws ATLAS's iteration, one row per pipeline-stage replica
 (launch.plan.timeline); ``--trace FILE.json`` writes the same ops as a Chrome trace. ``--bubbletea`` adds
@@ -136,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", metavar="FILE.json", help="write ATLAS's iteration as a Chrome trace")
     ap.add_argument("--bubbletea", action="store_true",
                     help="add the GPU utilisation with BubbleTea's prefill in the bubbles (launch.bubbletea)")
+    ap.add_argument("--no-baselines", action="store_true",
+                    help="plan only: skip the baselines and the gain decomposition (most of the run time)")
     ap.add_argument("--json", action="store_true",
                     help="print only the plan as JSON (what the launcher exports)")
     args = ap.parse_args(argv)
@@ -156,21 +163,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(plan.to_json())
         return 0
-    others = gain.compare(topo, model, DEFAULT_WINDOW)
-    same, same_steps = gain.same_gpus(topo, model, plan, atlas, DEFAULT_WINDOW)
-    steps = gain.decompose(topo, model, atlas, others, DEFAULT_WINDOW)
+    others, same, steps, same_steps = {}, {}, [], []
+    if not args.no_baselines:
+        others = gain.compare(topo, model, DEFAULT_WINDOW)
+        same, same_steps = gain.same_gpus(topo, model, plan, atlas, DEFAULT_WINDOW)
+        steps = gain.decompose(topo, model, atlas, others, DEFAULT_WINDOW)
     across = None
-    if not atlas.layout.crosses_wan and len(topo.datacenters) > 1:
+    if not args.no_baselines and not atlas.layout.crosses_wan and len(topo.datacenters) > 1:
         spanning = (lay for lay in atlas_layouts(topo, model, DEFAULT_WINDOW, args.wan_connections)
                     if lay.crosses_wan)
         across = best(topo, model, spanning, DEFAULT_WINDOW,
                       (args.sharing,) if args.sharing else ("spatial", "temporal"))
     print(render(plan, topo, model))
-    print(table(model, atlas, others, across))
-    print(table(model, atlas, same, title=f"the baselines on ATLAS's own {plan.world_size} GPUs (the hosts "
-                                          "and slots of its plan, every one used)"))
-    print(decomposition(steps, "anywhere"))
-    print(decomposition(same_steps, f"on ATLAS's {plan.world_size} GPUs"))
+    if not args.no_baselines:
+        print(table(model, atlas, others, across))
+        print(table(model, atlas, same, title=f"the baselines on ATLAS's own {plan.world_size} GPUs (the "
+                                              "hosts and slots of its plan, every one used)"))
+        print(decomposition(steps, "anywhere"))
+        print(decomposition(same_steps, f"on ATLAS's {plan.world_size} GPUs"))
     links = [topo.link(plan.stage_dc[s], plan.stage_dc[s + 1]) for s in plan.wan_boundaries()]
     advice = tcp_advice(links, plan.wan_flows)
     if advice:

@@ -219,7 +219,8 @@ def _need_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ValueError("--timeline needs matplotlib (a commweave requirement): pip install matplotlib") from None
+        raise ValueError("--timeline needs matplotlib (a commweave requirement): "
+                         "pip install matplotlib") from None
 
 
 def _span(text: str) -> tuple[float, float]:

@@ -73,7 +73,8 @@ def decompose(topo: Topology, model: ModelSpec, atlas: Choice, others: dict[str,
     placed = fastest(connections=1, split=SPLITS[name])
     one_conn = fastest(connections=1)
     conns = fastest()
-    times = [(f"best baseline: {baselines.NAMES[name]}", base), ("+ placement (ATLAS's stages per DC)", placed),
+    times = [(f"best baseline: {baselines.NAMES[name]}", base),
+             ("+ placement (ATLAS's stages per DC)", placed),
              ("+ layer split (by GPU speed)", one_conn), ("+ TCP connections", conns),
              ("+ sharing (spatial/temporal) = ATLAS", atlas)]
     steps, prev = [], None

@@ -57,7 +57,8 @@ UNIFORM_SLOTS = ("slurm", "mpich", "impi")
 PATHS = ("local", *SUPPORTED)
 HERE = {  # dest -> what deepspeed-atlas or DeepSpeed's runner does with it here
     "hostfile": "restricts the plan to its hosts and slots (each checked against the topology)",
-    "include": "restricts the plan to these hosts/slots", "exclude": "removes these hosts/slots from the plan",
+    "include": "restricts the plan to these hosts/slots",
+    "exclude": "removes these hosts/slots from the plan",
     "num_nodes": "the plan may use the first N hosts (of --hostfile, else of the topology)",
     "num_gpus": "the plan may use the first N slots of every host",
     "master_port": "the rendezvous port (every node)", "master_addr": "the rendezvous address (every node)",

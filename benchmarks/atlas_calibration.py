@@ -54,7 +54,8 @@ def topology(link, window: float, rtt_ms: float, hidden: int) -> dict:
     def dc(host, addr, ifname):
         return {"hosts": [{"name": host, "slots": REPLICAS, "addr": addr}], "ifname": ifname}
 
-    return {"datacenters": {"west": dc("w0", link.addr_a, link.ifname_a), "east": dc("e0", link.addr_b, link.ifname_b)},
+    return {"datacenters": {"west": dc("w0", link.addr_a, link.ifname_a),
+                            "east": dc("e0", link.addr_b, link.ifname_b)},
             "wan": [{"between": ["west", "east"], "rtt_ms": rtt_ms, "bandwidth_gbps": RATE_MBIT / 1e3,
                      "window_mb": window / 2**20}],
             "model": {"layers": 8, "hidden": hidden, "seq": 1, "micro_batch": 1, "dtype_bytes": 4,
@@ -75,7 +76,8 @@ def launch(link, topo: dict, args: list[str], tmp: Path) -> list[dict]:
     port, procs = str(_free_port()), []
     for ns, where in ((link.a, ["--atlas-host", "w0"]), (link.b, ["--node_rank", "1"])):
         cmd = ["timeout", str(NODE_TIMEOUT), sys.executable, "-m", "launch", "--atlas-topology", str(path),
-               "--no_ssh", *where, "--master_port", port, "examples/atlas_pipeline.py", "--out", str(out), *args]
+               "--no_ssh", *where, "--master_port", port, "examples/atlas_pipeline.py", "--out", str(out),
+               *args]
         procs.append(link.lab.popen(ns, cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=NODE_TIMEOUT + 60)[0] for p in procs]
@@ -91,31 +93,14 @@ def measured(ranks: list[dict], variant: str) -> float:
     return statistics.median(max(s) for s in steps)
 
 
-def compute_inputs(ranks: list[dict], variant: str) -> dict:
-    """Per stage: medians over its ranks of what DeepSpeed's engine timed (seconds)."""
-    out = {}
-    for stage in (0, 1):
-        ops = [r["variants"][variant]["ops"] for r in ranks if r["stage"] == stage]
+def predict(ranks: list[dict], variant: str, act_bytes: int, rtt: float, rate: float, window: float
+            ) -> tuple[float, list]:
+    """The simulator's seconds per step for a cell, and the compute inputs it used (see the docstring)."""
+    from launch.plan.calibrated import WanSetting, compute_inputs, step_seconds
 
-        def med(*names):
-            return statistics.median(sum(o.get(n, 0.0) for n in names) for o in ops)
-
-        out[stage] = {"forward": med("ForwardPass", "LoadMicroBatch"), "backward": med("BackwardPass"),
-                      "step": med("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")}
-    return out
-
-
-def predict(variant: str, compute: dict, act_bytes: int, rtt: float, rate: float, window: float) -> float:
-    """The simulator's seconds per step for a cell (see the module docstring)."""
-    from launch.plan.simulate import Collective, Job, Route, simulate
-
-    k, mode = (1, "spatial") if variant == "stock" else (int(variant.split(":")[0]), variant.split(":")[1])
-    route = Route(rtt / 2, rate, ("west", "east"), k, window / rtt)
-    D = REPLICAS
-    job = Job(tuple((compute[s]["forward"],) * D for s in (0, 1)),
-              tuple((compute[s]["backward"],) * D for s in (0, 1)), ((route,) * D,), act_bytes, MICRO_BATCHES,
-              "deepspeed", mode, tuple(Collective(compute[s]["step"]) for s in (0, 1)))
-    return simulate(job).iteration
+    compute = compute_inputs([(r["stage"], r["variants"][variant]["ops"]) for r in ranks], 2)
+    return step_seconds(compute, REPLICAS, MICRO_BATCHES, act_bytes, rtt, rate, window,
+                        WanSetting.parse(variant)), compute
 
 
 def ranking_agrees(cells: list[dict]) -> list[str]:
@@ -152,13 +137,15 @@ def main(argv: list[str] | None = None) -> None:
     conns = [int(x) for x in a.connections.split(",")]
     bad = [x for x in acts if x not in SIZES] + [x for x in conns if x < 1] + [x for x in rtts if x <= 0]
     if bad or a.steps < 1:
-        raise ValueError(f"--acts in {sorted(SIZES)}, --connections >= 1, --rtts > 0, --steps >= 1; got {bad or a.steps}")
+        raise ValueError(f"--acts in {sorted(SIZES)}, --connections >= 1, --rtts > 0, --steps >= 1; "
+                         f"got {bad or a.steps}")
     result = run(rtts, acts, conns, a.steps, a.link)
     if result is not None:
         report(result)
 
 
-def run(rtts: list[float], acts: list[int], conns: list[int], steps: int, link_json: str | None) -> dict | None:
+def run(rtts: list[float], acts: list[int], conns: list[int], steps: int,
+        link_json: str | None) -> dict | None:
     from launch.net import netns
     from launch.net.wanemu import WanLink
     from launch.plan.socket_limits import host_window, measured_fraction
@@ -169,7 +156,8 @@ def run(rtts: list[float], acts: list[int], conns: list[int], steps: int, link_j
         return None
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="atlas-cal-") as tmp:
-        wan = json.loads(Path(link_json).read_text()) if link_json else measure_link(rtts[-1], Path(tmp, "l.json"))
+        wan = (json.loads(Path(link_json).read_text()) if link_json
+               else measure_link(rtts[-1], Path(tmp, "link.json")))
     fraction, rate = measured_fraction(wan), wan["link_MBps"] * 1e6
     cells = []
     for rtt_ms in rtts:
@@ -179,7 +167,8 @@ def run(rtts: list[float], acts: list[int], conns: list[int], steps: int, link_j
                 ns.sysctl("net.ipv4.tcp_wmem", f"4096 16384 {WINDOW_KIB * 1024}")
                 ns.sysctl("net.ipv4.tcp_slow_start_after_idle", "0")
             # the window the run gets: the nodes' own limits (both ends: the smaller) x the measured fraction
-            window = min(host_window(lambda name, ns=ns: _read(ns, name), fraction) for ns in (link.a, link.b))
+            window = min(host_window(lambda name, ns=ns: _read(ns, name), fraction)
+                         for ns in (link.a, link.b))
             for kib in acts:
                 hidden, rows = SIZES[kib]
                 args = ["--variants", ",".join(variants(conns)), "--steps", str(steps), "--warmup", "1",
@@ -187,10 +176,9 @@ def run(rtts: list[float], acts: list[int], conns: list[int], steps: int, link_j
                 with tempfile.TemporaryDirectory(prefix="atlas-cal-") as tmp:
                     ranks = launch(link, topology(link, window, rtt_ms, hidden), args, Path(tmp))
                 for v in variants(conns):
-                    comp = compute_inputs(ranks, v)
-                    cells.append({"rtt_ms": rtt_ms, "act_kib": kib, "variant": v, "measured_s": measured(ranks, v),
-                                  "predicted_s": predict(v, comp, rows * hidden * 4, rtt_ms / 1e3, rate, window),
-                                  "compute": comp})
+                    pred, comp = predict(ranks, v, rows * hidden * 4, rtt_ms / 1e3, rate, window)
+                    cells.append({"rtt_ms": rtt_ms, "act_kib": kib, "variant": v,
+                                  "measured_s": measured(ranks, v), "predicted_s": pred, "compute": comp})
                 load.append(os.getloadavg()[0])
             drops = {k: v for k, v in link.drops().items() if v and not k.startswith("tcp_retrans")}
             if drops:
@@ -207,7 +195,8 @@ def _read(ns, name: str) -> str | None:
 
 def report(r: dict) -> None:
     wan, cells = r["link"], r["cells"]
-    print(f"link (python -m benchmarks.wan at {wan.get('rtt_set_ms')} ms, the fit set): {wan['link_MBps']} MB/s; "
+    print(f"link (python -m benchmarks.wan at {wan.get('rtt_set_ms')} ms, the fit set): "
+          f"{wan['link_MBps']} MB/s; "
           f"one stock connection {wan['stock_MBps']} MB/s = {r['fraction']:.3f} x buffer/RTT; "
           f"8 connections {wan['MBps'].get('8', '?')} MB/s")
     print(f"window per connection: {r['fraction']:.3f} x {WINDOW_KIB} KiB (the namespaces' rmem/wmem max) = "
@@ -219,8 +208,8 @@ def report(r: dict) -> None:
         err = c["predicted_s"] / c["measured_s"] - 1
         c["error"] = err
         within.append(abs(err) <= TOLERANCE)
-        comp = c["compute"]
-        ms = "/".join(f"{comp[s][k] * 1e3:.0f}" for s in (0, 1) for k in ("forward", "backward"))
+        ms = "/".join(f"{getattr(c['compute'][s], k) * 1e3:.0f}" for s in (0, 1)
+                      for k in ("forward", "backward"))
         print(f"{c['rtt_ms']:>4g} {c['act_kib']:>4}Ki {c['variant']:<12} {c['measured_s']:>8.3f}s "
               f"{c['predicted_s']:>8.3f}s {err:>+7.1%}  {ms:<20}")
         groups.setdefault((c["rtt_ms"], c["act_kib"]), []).append(c)
@@ -236,12 +225,13 @@ def report(r: dict) -> None:
                     "measured": round(sp["measured_s"] / tp["measured_s"], 3),
                     "predicted": round(sp["predicted_s"] / tp["predicted_s"], 3)}
     print(f"within ±{TOLERANCE:.0%}: {sum(within)}/{len(within)}; rankings: "
-          f"{'same in every group' if not misranked else misranked}")
+          f"{misranked if misranked else 'same in every group'}")
     print("temporal gain (spatial s / temporal s): " + ", ".join(
         f"{k} measured {v['measured']:.2f}x predicted {v['predicted']:.2f}x" for k, v in gains.items()))
     print(f"load average (1 min) during the matrix: {', '.join(f'{x:.1f}' for x in r['load'])}")
     print(json.dumps({"bench": "atlas_calibration", "cells": [
-        {k: (round(v, 4) if isinstance(v, float) else v) for k, v in c.items() if k != "compute"} for c in cells],
+        {k: (round(v, 4) if isinstance(v, float) else v) for k, v in c.items() if k != "compute"}
+        for c in cells],
         "within": sum(within), "of": len(within), "misranked": misranked, "temporal_gain": gains,
         "window_bytes": round(r["window"]), "fraction": r["fraction"], "link_MBps": wan["link_MBps"],
         "load1": [round(x, 1) for x in r["load"]]}))

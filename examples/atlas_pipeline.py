@@ -172,10 +172,10 @@ def main() -> None:
     if args.warmup < 0:
         raise ValueError(f"--warmup {args.warmup}: must be >= 0")
     variants = args.variants.split(",") if args.variants else None
+    from launch.plan.calibrated import WanSetting
+
     for v in variants or ():
-        k, _, mode = v.partition(":")
-        if v != "stock" and not (k.isdigit() and int(k) >= 1 and mode in ("spatial", "temporal")):
-            raise ValueError(f"--variants: {v!r} must be 'stock' or K:spatial|K:temporal with K >= 1")
+        WanSetting.parse(v)           # ValueError naming the setting and the rule
     if args.reference:
         print(json.dumps(reference_losses(args.steps, args.reference)))
         return

@@ -195,7 +195,7 @@ class _Engine:
 
     def _delivered(self, channel: tuple, sent: float, arrived: float) -> None:
         """The sender's call returns when its last byte left, the receiver's when it arrived."""
-        e, fwd, m, d = channel
+        e, fwd, _m, d = channel
         src, dst = (e, e + 1) if fwd else (e + 1, e)
         self._wake(src, d, sent)
         self._wake(dst, d, arrived)

@@ -83,7 +83,7 @@ class Job:
     routes: tuple[tuple[Route, ...], ...]     # [boundary s -> s+1][replica]
     act_bytes: float                          # bytes per micro-batch crossing a boundary
     micro_batches: int
-    schedule: str = "1f1b"                    # "1f1b" | "gpipe" | "deepspeed" (launch.plan.deepspeed_schedule)
+    schedule: str = "1f1b"                    # "1f1b" | "gpipe" | "deepspeed" (deepspeed_schedule.py)
     sharing: str = "temporal"                 # "temporal" | "spatial" (WAN p2p transfers)
     collectives: tuple[Collective, ...] = ()  # per stage (empty: none)
     blocking_sends: bool = True               # a row waits for its send to complete (see module doc)

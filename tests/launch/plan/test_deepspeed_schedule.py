@@ -22,7 +22,7 @@ def _deepspeed_order(stage: int, stages: int, micro_batches: int) -> list[tuple[
                 name = names[type(cmd)]
                 out.append((name, prev if name.startswith("send") else mb))
         prev = mb
-    return out + [("step", -1)]
+    return [*out, ("step", -1)]
 
 
 @pytest.mark.parametrize("stages, micro_batches", [(2, 1), (2, 4), (3, 2), (3, 5), (4, 4), (5, 8)])
@@ -45,7 +45,8 @@ def test_hand_derived_two_stage_timeline():
     r = simulate(_job(Route(0.5, 1.0)))
     assert r.iteration == pytest.approx(15.0)
     got = {(t.fwd, t.m): [t.started, t.done, t.arrives] for t in r.transfers}
-    want = {(True, 0): [1, 2, 2.5], (False, 0): [5.5, 6.5, 7], (True, 1): [7, 8, 8.5], (False, 1): [11.5, 12.5, 13]}
+    want = {(True, 0): [1, 2, 2.5], (False, 0): [5.5, 6.5, 7], (True, 1): [7, 8, 8.5],
+            (False, 1): [11.5, 12.5, 13]}
     assert sorted(got) == sorted(want)
     for key, times in want.items():
         assert got[key] == pytest.approx(times)

@@ -1,7 +1,6 @@
 """The simulator against real DeepSpeed pipeline runs on the emulated WAN: the calibration matrix.
 
-    python -m benchmarks.atlas_calibration [--link link.json] [--rtts 20,40] [--acts 256,1024]
-        [--connections 1,8] [--steps 3]
+    python -m benchmarks.atlas_calibration [--rtts 20,40] [--acts 256,1024] [--connections 1,8] [--steps 3]
 
 Each cell is examples/atlas_pipeline.py (2 stages x 2 replicas, 4 micro-batches, fp32) started by
 ``deepspeed-atlas --no_ssh`` on two network namespaces joined by launch.net.wanemu (400 Mbit/s, the set
@@ -12,17 +11,19 @@ steps (the slowest rank's step time). Needs root.
 The prediction of a cell is launch.plan.simulate with ``schedule="deepspeed"`` (DeepSpeed's
 instruction order, blocking gloo send/recv that rendezvous: launch/plan/deepspeed_schedule.py) on:
 
-- the link: its rate and one connection's window = ``window_fraction`` x the namespaces' effective
-  rmem/wmem maximum (read from their /proc/sys), both from ``python -m benchmarks.wan`` run on the
-  same emulated link at one RTT (``--link``; measured first when not given): the only constants, and
-  measured on bulk transfers, not on this matrix. The launched topology carries the same ``window_mb``,
-  so the plan the launcher prints uses the window the run gets;
+- the link (the fit set, measured on each RTT's link just before its cells, at the ranks' priority):
+  its rate, and for the stock send and each connection count, ``alpha + bytes / rate`` of one
+  transfer after an idle gap, through ping-pongs of 64 KiB and 2 MiB (benchmarks.wan.link_constants;
+  ``python -m benchmarks.wan --pingpong 64,2048 --normal-priority`` on a user's link): no pipeline
+  step time enters it;
 - the cell's compute: each stage's median ForwardPass (+ LoadMicroBatch) and BackwardPass, and its
   ReduceGrads + OptimizerStep, as the ranks timed them (inputs, like a profile: nothing is fitted).
 
-Prints the table (measured, predicted, error), whether each cell is within ±25% and whether the
-simulator ranks the variants of each (RTT, size) as measured (pairs within 5% of each other in the
-measurement count as ties), and ends with one JSON line.
+The launched topology carries ``window_mb`` = min(the nodes' rmem/wmem maximum, the stock rate x RTT),
+so the plan the launcher prints uses the window the run gets. Prints the fit set, the table
+(measured, predicted, error), whether each cell is within ±25% and whether the simulator ranks the
+variants of each (RTT, size) as measured (pairs within 5% of each other in the measurement count as
+ties), and ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -93,14 +94,13 @@ def measured(ranks: list[dict], variant: str) -> float:
     return statistics.median(max(s) for s in steps)
 
 
-def predict(ranks: list[dict], variant: str, act_bytes: int, rtt: float, rate: float, window: float
-            ) -> tuple[float, list]:
+def predict(ranks: list[dict], variant: str, act_bytes: int, link: dict) -> tuple[float, list]:
     """The simulator's seconds per step for a cell, and the compute inputs it used (see the docstring)."""
-    from launch.plan.calibrated import WanSetting, compute_inputs, step_seconds
+    from launch.plan.calibrated import LinkMode, WanSetting, compute_inputs, step_seconds
 
     compute = compute_inputs([(r["stage"], r["variants"][variant]["ops"]) for r in ranks], 2)
-    return step_seconds(compute, REPLICAS, MICRO_BATCHES, act_bytes, rtt, rate, window,
-                        WanSetting.parse(variant)), compute
+    return step_seconds(compute, REPLICAS, MICRO_BATCHES, act_bytes, link["link_Bps"],
+                        LinkMode.from_measured(link["modes"], variant), WanSetting.parse(variant)), compute
 
 
 def ranking_agrees(cells: list[dict]) -> list[str]:
@@ -114,19 +114,8 @@ def ranking_agrees(cells: list[dict]) -> list[str]:
     return bad
 
 
-def measure_link(rtt_ms: float, path: Path) -> dict:
-    """``python -m benchmarks.wan`` on this emulated link at one RTT: the fit set (bulk transfers)."""
-    cmd = [sys.executable, "-m", "benchmarks.wan", "--rtt-ms", str(rtt_ms), "--rate-mbit", str(RATE_MBIT),
-           "--window-kib", str(WINDOW_KIB), "--mib", "16", "--repeats", "2", "--connections", "1,8",
-           "--json", str(path)]
-    print("$ " + " ".join(cmd[1:]), flush=True)
-    subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    return json.loads(path.read_text())
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--link", default=None, help="benchmarks.wan JSON of this link (default: measure it)")
     ap.add_argument("--rtts", default="20,40", help="round trips in ms")
     ap.add_argument("--acts", default="256,1024", help=f"activation KiB per micro-batch, of {sorted(SIZES)}")
     ap.add_argument("--connections", default="1,8")
@@ -139,36 +128,34 @@ def main(argv: list[str] | None = None) -> None:
     if bad or a.steps < 1:
         raise ValueError(f"--acts in {sorted(SIZES)}, --connections >= 1, --rtts > 0, --steps >= 1; "
                          f"got {bad or a.steps}")
-    result = run(rtts, acts, conns, a.steps, a.link)
+    result = run(rtts, acts, conns, a.steps)
     if result is not None:
         report(result)
 
 
-def run(rtts: list[float], acts: list[int], conns: list[int], steps: int,
-        link_json: str | None) -> dict | None:
+def run(rtts: list[float], acts: list[int], conns: list[int], steps: int) -> dict | None:
+    from benchmarks.wan import link_constants
     from launch.net import netns
     from launch.net.wanemu import WanLink
-    from launch.plan.socket_limits import host_window, measured_fraction
+    from launch.plan.socket_limits import host_window
 
     ok, reason = netns.available()
     if not ok:
         print(json.dumps({"bench": "atlas_calibration", "skipped": reason}))
         return None
-    load = [os.getloadavg()[0]]
-    with tempfile.TemporaryDirectory(prefix="atlas-cal-") as tmp:
-        wan = (json.loads(Path(link_json).read_text()) if link_json
-               else measure_link(rtts[-1], Path(tmp, "link.json")))
-    fraction, rate = measured_fraction(wan), wan["link_MBps"] * 1e6
-    cells = []
+    load, cells, links = [os.getloadavg()[0]], [], {}
     for rtt_ms in rtts:
         with WanLink(rtt=rtt_ms / 1e3, rate=RATE_MBIT * 1e6 / 8) as link:
             for ns in (link.a, link.b):
                 ns.sysctl("net.ipv4.tcp_rmem", f"4096 131072 {WINDOW_KIB * 1024}")
                 ns.sysctl("net.ipv4.tcp_wmem", f"4096 16384 {WINDOW_KIB * 1024}")
                 ns.sysctl("net.ipv4.tcp_slow_start_after_idle", "0")
-            # the window the run gets: the nodes' own limits (both ends: the smaller) x the measured fraction
-            window = min(host_window(lambda name, ns=ns: _read(ns, name), fraction)
-                         for ns in (link.a, link.b))
+            # the fit set: ping-pongs on this link, then the matrix (which nothing is fitted to)
+            constants = links[rtt_ms] = link_constants(link, connections=",".join(map(str, conns)))
+            # the window for the launched plan: the nodes' limits, or what one stock connection reached
+            one = constants["modes"]["stock"]["Bps"]
+            limit = min(host_window(lambda name, ns=ns: _read(ns, name), 1.0) for ns in (link.a, link.b))
+            window = min(limit, one * rtt_ms / 1e3)
             for kib in acts:
                 hidden, rows = SIZES[kib]
                 args = ["--variants", ",".join(variants(conns)), "--steps", str(steps), "--warmup", "1",
@@ -176,14 +163,14 @@ def run(rtts: list[float], acts: list[int], conns: list[int], steps: int,
                 with tempfile.TemporaryDirectory(prefix="atlas-cal-") as tmp:
                     ranks = launch(link, topology(link, window, rtt_ms, hidden), args, Path(tmp))
                 for v in variants(conns):
-                    pred, comp = predict(ranks, v, rows * hidden * 4, rtt_ms / 1e3, rate, window)
+                    pred, comp = predict(ranks, v, rows * hidden * 4, constants)
                     cells.append({"rtt_ms": rtt_ms, "act_kib": kib, "variant": v,
                                   "measured_s": measured(ranks, v), "predicted_s": pred, "compute": comp})
                 load.append(os.getloadavg()[0])
             drops = {k: v for k, v in link.drops().items() if v and not k.startswith("tcp_retrans")}
             if drops:
                 print(f"warning: the WAN emulator lost packets at {rtt_ms:g} ms: {drops}")
-    return {"link": wan, "window": window, "fraction": fraction, "rate": rate, "cells": cells, "load": load}
+    return {"links": links, "cells": cells, "load": load}
 
 
 def _read(ns, name: str) -> str | None:
@@ -194,13 +181,12 @@ def _read(ns, name: str) -> str | None:
 
 
 def report(r: dict) -> None:
-    wan, cells = r["link"], r["cells"]
-    print(f"link (python -m benchmarks.wan at {wan.get('rtt_set_ms')} ms, the fit set): "
-          f"{wan['link_MBps']} MB/s; "
-          f"one stock connection {wan['stock_MBps']} MB/s = {r['fraction']:.3f} x buffer/RTT; "
-          f"8 connections {wan['MBps'].get('8', '?')} MB/s")
-    print(f"window per connection: {r['fraction']:.3f} x {WINDOW_KIB} KiB (the namespaces' rmem/wmem max) = "
-          f"{r['window'] / 1024:.0f} KiB")
+    cells = r["cells"]
+    print("the fit set: ping-pongs on each link (benchmarks.wan.link_constants), t = alpha + bytes / rate:")
+    for rtt, c in r["links"].items():
+        modes = ", ".join(f"{m}: {v['alpha_s'] * 1e3:.0f} ms + {v['Bps'] / 1e6:.1f} MB/s"
+                          for m, v in c["modes"].items())
+        print(f"  {rtt:g} ms: link {c['link_Bps'] / 1e6:.1f} MB/s; {modes}")
     print(f"{'RTT':>4} {'act':>6} {'variant':<12} {'measured':>9} {'predicted':>9} {'error':>7}  "
           f"{'F0/B0/F1/B1 ms':<20}")
     groups, within = {}, []
@@ -233,7 +219,10 @@ def report(r: dict) -> None:
         {k: (round(v, 4) if isinstance(v, float) else v) for k, v in c.items() if k != "compute"}
         for c in cells],
         "within": sum(within), "of": len(within), "misranked": misranked, "temporal_gain": gains,
-        "window_bytes": round(r["window"]), "fraction": r["fraction"], "link_MBps": wan["link_MBps"],
+        "links": {str(k): {"link_MBps": round(v["link_Bps"] / 1e6, 1),
+                           "modes": {m: {"alpha_ms": round(x["alpha_s"] * 1e3, 1),
+                                         "MBps": round(x["Bps"] / 1e6, 2)} for m, x in v["modes"].items()}}
+                  for k, v in r["links"].items()},
         "load1": [round(x, 1) for x in r["load"]]}))
 
 

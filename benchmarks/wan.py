@@ -52,10 +52,35 @@ def _plan(conns: int):
     return make_plan(topology.parse(raw, source="wan-bench"), model, conns, "spatial")
 
 
-def worker(rank: int, master: str, peer: str, ifname: str, mib: int, conns: list[int], repeats: int) -> None:
+def _pingpong(rank: int, send, recv, sizes_kib: list[int], repeats: int) -> dict[str, float]:
+    """Median one-way seconds of a blocking send answered by a blocking send back, per size: how a
+    pipeline transfer after an idle gap costs (DeepSpeed's p2p: one blocking call at a time)."""
+    import torch
+    import torch.distributed as dist
+
+    out = {}
+    for kib in sizes_kib:
+        x, times = torch.ones(kib * 256), []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.monotonic()
+            if rank == 0:
+                send(x)
+                recv(x)
+            else:
+                recv(x)
+                send(x)
+            times.append((time.monotonic() - t0) / 2)
+        out[str(kib)] = statistics.median(times)
+    return out
+
+
+def worker(rank: int, master: str, peer: str, ifname: str, mib: int, conns: list[int], repeats: int,
+           pingpong: list[int] = (), nice: bool = True) -> None:
     """One side of the transfer, inside its namespace. Rank 1 (the receiver) prints the timings."""
-    with contextlib.suppress(PermissionError):
-        os.nice(-10)        # stands for a dedicated host: a busy shared machine disturbs it less
+    if nice:
+        with contextlib.suppress(PermissionError):
+            os.nice(-10)    # stands for a dedicated host: a busy shared machine disturbs it less
     os.environ["GLOO_SOCKET_IFNAME"] = ifname
     import torch
     import torch.distributed as dist
@@ -78,7 +103,10 @@ def worker(rank: int, master: str, peer: str, ifname: str, mib: int, conns: list
         else:
             comm.recv(x, 0, dist.group.WORLD)
             stock.append(time.monotonic() - t0)
-    out = {"stock": {"seconds": stock}}
+    peer_rank = 1 - rank
+    out = {"stock": {"seconds": stock, "pingpong": _pingpong(
+        rank, lambda t: comm.send(t, peer_rank, dist.group.WORLD),
+        lambda t: comm.recv(t, peer_rank, dist.group.WORLD), pingpong, repeats)}}
     for k in conns:
         dist.barrier()
         before = established_connections({peer})
@@ -102,7 +130,9 @@ def worker(rank: int, master: str, peer: str, ifname: str, mib: int, conns: list
                     raise RuntimeError(f"k={k}: the striped transfer arrived corrupted")
         obj = [sample]
         dist.broadcast_object_list(obj, src=0)
-        out[k] = {"seconds": times, "opened": opened, "ss": obj[0]}
+        out[k] = {"seconds": times, "opened": opened, "ss": obj[0], "pingpong": _pingpong(
+            rank, lambda t, wan=wan: wan.isend(t, rank, peer_rank).wait(),
+            lambda t, wan=wan: wan.irecv(t, rank, peer_rank).wait(), pingpong, repeats)}
     if rank == 1:
         print("RESULT " + json.dumps(out), flush=True)
     dist.barrier()
@@ -138,25 +168,26 @@ class _Sampler:
         return max(self.conns.values(), key=lambda c: c["bytes_acked"], default={})
 
 
-def link_rate(link, seconds: float = 3.0, port: int = 5201) -> float:
-    """Bytes/s that STREAMS plain TCP streams push from A to B (the emulated link's capacity)."""
+def link_rate(link, seconds: float = 3.0, port: int = 5201, streams: int = STREAMS) -> float:
+    """Bytes/s that ``streams`` plain TCP streams push from A to B (with STREAMS: the emulated link's
+    capacity; with 1: one connection's window/RTT)."""
     server = (f"import socket, threading\n"
               f"s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-              f"s.bind(({link.addr_b!r}, {port})); s.listen({STREAMS})\n"
+              f"s.bind(({link.addr_b!r}, {port})); s.listen({streams})\n"
               f"def drain(c):\n    while c.recv(1 << 20):\n        pass\n"
               f"while True:\n"
               f"    threading.Thread(target=drain, args=(s.accept()[0],), daemon=True).start()\n")
     link.lab.popen(link.b, [sys.executable, "-c", server])
     client = (f"import socket, threading, time\n"
-              f"sent = [0] * {STREAMS}; buf = bytes(1 << 20)\n"
-              f"socks = [socket.create_connection(({link.addr_b!r}, {port})) for _ in range({STREAMS})]\n"
+              f"sent = [0] * {streams}; buf = bytes(1 << 20)\n"
+              f"socks = [socket.create_connection(({link.addr_b!r}, {port})) for _ in range({streams})]\n"
               f"def push(i, end):\n    while time.monotonic() < end:\n"
               f"        sent[i] += socks[i].send(buf)\n"
               f"warm = time.monotonic() + 1.0\n"
-              f"ts = [threading.Thread(target=push, args=(i, warm)) for i in range({STREAMS})]\n"
+              f"ts = [threading.Thread(target=push, args=(i, warm)) for i in range({streams})]\n"
               f"[t.start() for t in ts]; [t.join() for t in ts]\n"
-              f"sent = [0] * {STREAMS}; t0 = time.monotonic(); end = t0 + {seconds}\n"
-              f"ts = [threading.Thread(target=push, args=(i, end)) for i in range({STREAMS})]\n"
+              f"sent = [0] * {streams}; t0 = time.monotonic(); end = t0 + {seconds}\n"
+              f"ts = [threading.Thread(target=push, args=(i, end)) for i in range({streams})]\n"
               f"[t.start() for t in ts]; [t.join() for t in ts]\n"
               f"print(sum(sent) / (time.monotonic() - t0))\n")
     for _ in range(50):
@@ -165,6 +196,52 @@ def link_rate(link, seconds: float = 3.0, port: int = 5201) -> float:
         except RuntimeError:
             time.sleep(0.1)       # the server is not listening yet
     raise RuntimeError("link_rate: could not reach the stream server")
+
+
+def measure_on(link, mib: int, connections: str, repeats: int, pingpong: str = "", nice: bool = True
+               ) -> tuple[float, list[float], dict, dict]:
+    """Everything the table reports, on a link already set up (its namespaces' sysctls included): the
+    probed RTT, the link rate before and after, the workers' timings (and ping-pongs of ``pingpong``
+    KiB), the drop counters. ``nice``: the workers run at raised priority."""
+    rtt = link.probe_rtt(9)
+    rate = link_rate(link)
+    procs = []
+    for rank, ns, peer, ifname in ((0, link.a, link.addr_b, link.ifname_a),
+                                   (1, link.b, link.addr_a, link.ifname_b)):
+        args = json.dumps([link.addr_a, peer, ifname])
+        cmd = ["timeout", "1200", sys.executable, "-m", "benchmarks.wan", "--worker", str(rank),
+               "--args", args, "--mib", str(mib), "--connections", connections, "--repeats", str(repeats),
+               "--pingpong", pingpong, *([] if nice else ["--normal-priority"])]
+        procs.append(link.lab.popen(ns, cmd, cwd=REPO, stdout=subprocess.PIPE, text=True,
+                                    env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}))
+    outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"worker failed: {[p.returncode for p in procs]}\n{outs}")
+    # the link rate again after the transfers: a busy machine lowers either measurement, the
+    # larger one is the closer to what the link carries
+    rates = [rate, link_rate(link, port=5202)]
+    result = json.loads(next(line for line in outs[1].splitlines() if line.startswith("RESULT "))[7:])
+    return rtt, rates, result, link.drops()
+
+
+PINGPONG_KIB = (64, 2048)
+
+
+def link_constants(link, mib: int = 2, connections: str = "1,8", repeats: int = 3) -> dict:
+    """What the calibrated simulator takes from a link (launch.plan.calibrated.LinkModel), measured on
+    it at the priority the job runs at: the link's bytes/s, and for the stock send and each ATLAS
+    connection count, alpha and bytes/s of one transfer after an idle gap, from ping-pongs of two
+    sizes (t = alpha + bytes / rate through both points)."""
+    _, rates, result, _ = measure_on(link, mib, connections, repeats, ",".join(map(str, PINGPONG_KIB)),
+                                     nice=False)
+    out = {"link_Bps": max(rates), "modes": {}}
+    small, large = PINGPONG_KIB
+    for mode, r in result.items():
+        t1, t2 = r["pingpong"][str(small)], r["pingpong"][str(large)]
+        rate = (large - small) * 1024 / max(t2 - t1, 1e-9)
+        out["modes"][mode] = {"alpha_s": max(0.0, t1 - small * 1024 / rate), "Bps": rate,
+                              "pingpong_s": r["pingpong"]}
+    return out
 
 
 def main() -> None:
@@ -176,13 +253,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--connections", default="1,2,4,8,16")
     ap.add_argument("--json", default=None, help="also write the last JSON line to this file")
+    ap.add_argument("--pingpong", default="", help="also time ping-pongs of these KiB (comma list)")
+    ap.add_argument("--normal-priority", action="store_true", help="workers at normal priority")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--args", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     conns = [int(c) for c in a.connections.split(",")]
     if a.worker is not None:
         master, peer, ifname = json.loads(a.args)
-        worker(a.worker, master, peer, ifname, a.mib, conns, a.repeats)
+        worker(a.worker, master, peer, ifname, a.mib, conns, a.repeats,
+               [int(x) for x in a.pingpong.split(",") if x], not a.normal_priority)
         return
 
     from launch.net import netns
@@ -199,26 +279,9 @@ def main() -> None:
             ns.sysctl("net.ipv4.tcp_rmem", f"4096 131072 {window}")
             ns.sysctl("net.ipv4.tcp_wmem", f"4096 16384 {window}")
             ns.sysctl("net.ipv4.tcp_slow_start_after_idle", "0")
-        rtt = link.probe_rtt(9)
-        rate = link_rate(link)
-        procs = []
-        for rank, ns, peer, ifname in ((0, link.a, link.addr_b, link.ifname_a),
-                                       (1, link.b, link.addr_a, link.ifname_b)):
-            args = json.dumps([link.addr_a, peer, ifname])
-            cmd = ["timeout", "1200", sys.executable, "-m", "benchmarks.wan", "--worker", str(rank),
-                   "--args", args, "--mib", str(a.mib), "--connections", a.connections,
-                   "--repeats", str(a.repeats)]
-            procs.append(link.lab.popen(ns, cmd, cwd=REPO, stdout=subprocess.PIPE, text=True,
-                                        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}))
-        outs = [p.communicate()[0] for p in procs]
-        if any(p.returncode for p in procs):
-            raise RuntimeError(f"worker failed: {[p.returncode for p in procs]}\n{outs}")
-        # the link rate again after the transfers: a busy machine lowers either measurement, the
-        # larger one is the closer to what the link carries
-        rates = [rate, link_rate(link, port=5202)]
-        drops = link.drops()
+        rtt, rates, result, drops = measure_on(link, a.mib, a.connections, a.repeats, a.pingpong,
+                                               not a.normal_priority)
     load_after = os.getloadavg()
-    result = json.loads(next(line for line in outs[1].splitlines() if line.startswith("RESULT "))[7:])
     _report(a, rtt, max(rates), rates, window, result, drops, load_before, load_after)
 
 

@@ -110,7 +110,7 @@ def train(steps: int, plan, wan_setup=None) -> list[float]:
     return losses
 
 
-def _timed_instructions(engine, seconds: dict[str, list[float]]) -> None:
+def time_instructions(engine, seconds: dict[str, list[float]]) -> None:
     """Time every instruction DeepSpeed's engine executes, by instruction name, into ``seconds``.
     The engine looks its instructions up in ``self._INSTRUCTION_MAP``: an instance copy wraps them."""
 
@@ -138,7 +138,7 @@ def measure(plan, variants: list[str], steps: int, warmup: int, hidden: int, row
             _step(engine, plan, step, hidden, rows)
             step += 1
         seconds: dict[str, list[float]] = {}
-        _timed_instructions(engine, seconds)
+        time_instructions(engine, seconds)
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()

@@ -2,11 +2,12 @@
 
 What a prediction takes, and where each figure comes from (nothing here is fitted to step times):
 
-- the WAN: its rate and one TCP connection's window. ``python -m benchmarks.wan`` measures both on the
-  user's link (bulk transfers; its JSON's ``link_MBps`` and ``window_fraction``); the window the run
-  gets is that fraction of the nodes' effective buffer maximum, min(tcp_rmem, tcp_wmem max), read
-  from the nodes (:func:`launch.plan.socket_limits.host_window`), so one connection carries
-  window/RTT;
+- the WAN: the link's rate, and for each way of sending (DeepSpeed's stock send, ATLAS with k
+  connections) what one transfer costs after an idle gap, t = alpha + bytes / rate (:class:`LinkMode`),
+  from ping-pongs of two sizes on the user's link (``python -m benchmarks.wan --pingpong 64,2048``,
+  benchmarks.wan.link_constants): a pipeline's transfers are bursts after idle gaps, where TCP moves
+  less than in a bulk transfer, and alpha carries the wake-ups of a busy host. k connections give
+  each connection rate/k; several transfers on one link share it per connection (fluid.py);
 - the compute: each stage's forward (with LoadMicroBatch), backward and end-of-batch step
   (ReduceTiedGrads + ReduceGrads + OptimizerStep), as DeepSpeed's engine timed them
   (:func:`compute_inputs` of the per-instruction medians examples/atlas_pipeline.py records): inputs,
@@ -29,6 +30,22 @@ class StageCompute:
     forward: float      # seconds per micro-batch (LoadMicroBatch included)
     backward: float
     step: float         # end of the batch: reduce tied grads, DP all-reduce, optimizer step
+
+
+@dataclass(frozen=True, slots=True)
+class LinkMode:
+    """One transfer alone on the link after an idle gap: ``alpha + bytes / rate`` seconds."""
+
+    alpha: float
+    rate: float
+
+    @classmethod
+    def from_measured(cls, modes: Mapping[str, Mapping[str, float]], setting: str) -> LinkMode:
+        """From benchmarks.wan.link_constants' ``modes`` (``stock``, ``1``, ``8``, ...)."""
+        key = "stock" if setting == "stock" else setting.split(":")[0]
+        if key not in modes:
+            raise ValueError(f"link constants: no measurement for {key!r} (measured: {sorted(modes)})")
+        return cls(float(modes[key]["alpha_s"]), float(modes[key]["Bps"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,17 +82,16 @@ def compute_inputs(ops_by_rank: Sequence[tuple[int, Mapping[str, float]]], stage
 
 
 def step_seconds(compute: Sequence[StageCompute], replicas: int, micro_batches: int, act_bytes: float,
-                 rtt: float, bandwidth: float, window: float, wan: WanSetting,
-                 wan_boundary: int | None = None) -> float:
+                 bandwidth: float, mode: LinkMode, wan: WanSetting, wan_boundary: int | None = None) -> float:
     """Seconds per ``train_batch`` of a DeepSpeed pipeline whose boundary ``wan_boundary`` (default: the
-    middle one) crosses a WAN of ``rtt`` and ``bandwidth`` bytes/s, one connection reaching
-    ``window``/``rtt``; the other boundaries stay inside a data center (taken as free)."""
+    middle one) crosses a WAN of ``bandwidth`` bytes/s, where one transfer alone costs ``mode``; the
+    other boundaries stay inside a data center (taken as free)."""
     S = len(compute)
     if S < 2:
         raise ValueError(f"step_seconds: a pipeline needs >= 2 stages, got {S}")
     cut = (S - 1) // 2 if wan_boundary is None else wan_boundary
-    routes = tuple(tuple(Route(rtt / 2, bandwidth, ("a", "b"), wan.connections, window / rtt) if e == cut
-                         else Route(0.0, float("inf")) for _ in range(replicas)) for e in range(S - 1))
+    wan_route = Route(mode.alpha, bandwidth, ("a", "b"), wan.connections, mode.rate / wan.connections)
+    routes = tuple((wan_route if e == cut else Route(0.0, float("inf")),) * replicas for e in range(S - 1))
     job = Job(tuple((c.forward,) * replicas for c in compute),
               tuple((c.backward,) * replicas for c in compute), routes, act_bytes, micro_batches,
               "deepspeed", wan.sharing, tuple(Collective(c.step) for c in compute))

@@ -113,23 +113,13 @@ def read_sysctl(name: str, root: str = "/proc/sys") -> str | None:
 
 def host_window(read: Callable[[str], str | None] = read_sysctl, fraction: float = WINDOW_FRACTION) -> float:
     """The effective window one connection of this host reaches: min(tcp_rmem, tcp_wmem max) × fraction
-    (``read`` may read another namespace's /proc/sys; ``fraction`` from :func:`measured_fraction`)."""
+    (``read`` may read another namespace's /proc/sys; ``fraction`` 1: the buffer limit itself)."""
     maxima = []
     for name in ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem"):
         v = read(name)
         if v:
             maxima.append(int(v.split()[-1]))
     return fraction * (min(maxima) if maxima else 4 * 2**20)
-
-
-def measured_fraction(wan_json: dict) -> float:
-    """The window fraction ``python -m benchmarks.wan`` measured on a link: one connection's rate x the
-    path's minimum RTT / the buffer maximum (its ``window_fraction``). ValueError on anything else."""
-    f = wan_json.get("window_fraction") if isinstance(wan_json, dict) else None
-    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
-        raise ValueError(f"benchmarks.wan JSON: window_fraction must be a number in (0, 1], got {f!r} "
-                         "(run python -m benchmarks.wan on the link)")
-    return float(f)
 
 
 def tcp_advice(links: list[WanLink], connections: int,

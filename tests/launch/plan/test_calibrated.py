@@ -1,0 +1,38 @@
+"""The calibrated prediction's inputs: engine timings to stage compute, measured link modes, settings."""
+
+import pytest
+
+from launch.plan.calibrated import LinkMode, StageCompute, WanSetting, compute_inputs, step_seconds
+
+
+def test_compute_inputs_are_medians_per_stage():
+    ranks = [(0, {"ForwardPass": 1.0, "LoadMicroBatch": 0.5, "BackwardPass": 2.0, "OptimizerStep": 0.1}),
+             (0, {"ForwardPass": 3.0, "BackwardPass": 4.0, "ReduceGrads": 0.2, "OptimizerStep": 0.2}),
+             (1, {"ForwardPass": 2.0, "LoadMicroBatch": 1.0, "BackwardPass": 5.0})]
+    got = compute_inputs(ranks, 2)
+    assert got[0] == StageCompute(pytest.approx(2.25), pytest.approx(3.0), pytest.approx(0.25))
+    assert got[1] == StageCompute(3.0, 5.0, 0.0)
+    with pytest.raises(ValueError, match="no rank reported stage 2"):
+        compute_inputs(ranks, 3)
+
+
+def test_the_hand_derived_timeline_through_measured_inputs():
+    """tests/launch/plan/test_deepspeed_schedule.py's case: t_f 1, t_b 2, a transfer 1 + 0.5 latency."""
+    compute = [StageCompute(1.0, 2.0, 0.0)] * 2
+    assert step_seconds(compute, 1, 2, 1.0, 10.0, LinkMode(0.5, 1.0), WanSetting()) == pytest.approx(15.0)
+    # eight connections of a mode that reaches 8 bytes/s: the link (10 bytes/s) is not the limit
+    assert step_seconds(compute, 1, 2, 8.0, 10.0, LinkMode(0.5, 8.0), WanSetting(8, "spatial")) \
+        == pytest.approx(15.0)
+
+
+def test_link_modes_and_settings():
+    modes = {"stock": {"alpha_s": 0.01, "Bps": 4e6}, "8": {"alpha_s": 0.02, "Bps": 3e7}}
+    assert LinkMode.from_measured(modes, "stock") == LinkMode(0.01, 4e6)
+    assert LinkMode.from_measured(modes, "8:temporal") == LinkMode(0.02, 3e7)
+    with pytest.raises(ValueError, match="no measurement for '4'"):
+        LinkMode.from_measured(modes, "4:spatial")
+    assert WanSetting.parse("stock") == WanSetting(1, "spatial")
+    assert WanSetting.parse("8:temporal") == WanSetting(8, "temporal")
+    for bad in ("8", "0:spatial", "x:temporal", "8:both"):
+        with pytest.raises(ValueError, match="use 'stock' or K:spatial"):
+            WanSetting.parse(bad)

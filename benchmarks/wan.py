@@ -287,7 +287,8 @@ def main() -> None:
 
 def _report(a, rtt, rate, rates, window, result, drops, load_before, load_after) -> None:
     size = a.mib * 2**20
-    stock = size / statistics.median(result.pop("stock")["seconds"]) / 1e6
+    stock_run = result.pop("stock")
+    stock, pingpong = size / statistics.median(stock_run["seconds"]) / 1e6, stock_run.get("pingpong", {})
     mbps = {int(k): size / statistics.median(v["seconds"]) / 1e6 for k, v in result.items()}
     ss = result[min(result, key=int)]["ss"]
     wnd_rtt = ss["snd_wnd"] / (ss["minrtt"] / 1e3) / 1e6 if ss.get("snd_wnd") else float("nan")
@@ -319,10 +320,12 @@ def _report(a, rtt, rate, rates, window, result, drops, load_before, load_after)
                "best_vs_one": round(best / mbps[min(mbps)], 2),
                "stock_MBps": round(stock, 1), "best_vs_stock": round(best / stock, 2),
                "load1": [round(load_before[0], 2), round(load_after[0], 2)],
-               # what the planner reads (launch.plan.socket_limits.measured_fraction): one connection's
-               # window = window_fraction x the TCP buffer maximum, on a link of link_MBps
+               # one stock connection's effective window (its rate x the minimum RTT): the topology's
+               # "window_mb" for this link, and its fraction of the TCP buffer maximum
+               "window_mb": round(stock * 1e6 * base_rtt / 2**20, 3),
                "window_fraction": round(stock * 1e6 / (window / base_rtt), 3), "window_kib": a.window_kib,
-               "rtt_set_ms": a.rtt_ms, "rate_mbit": a.rate_mbit}
+               "rtt_set_ms": a.rtt_ms, "rate_mbit": a.rate_mbit,
+               "pingpong_s": {"stock": pingpong, **{k: v.get("pingpong", {}) for k, v in result.items()}}}
     print(json.dumps(summary))
     if a.json:
         Path(a.json).write_text(json.dumps(summary) + "\n")

@@ -181,6 +181,8 @@ def _read(ns, name: str) -> str | None:
 
 
 def report(r: dict) -> None:
+    from launch.plan.calibrated import choose
+
     cells = r["cells"]
     print("the fit set: ping-pongs on each link (benchmarks.wan.link_constants), t = alpha + bytes / rate:")
     for rtt, c in r["links"].items():
@@ -199,6 +201,18 @@ def report(r: dict) -> None:
         print(f"{c['rtt_ms']:>4g} {c['act_kib']:>4}Ki {c['variant']:<12} {c['measured_s']:>8.3f}s "
               f"{c['predicted_s']:>8.3f}s {err:>+7.1%}  {ms:<20}")
         groups.setdefault((c["rtt_ms"], c["act_kib"]), []).append(c)
+    choices = {}
+    for (rtt, kib), g in groups.items():
+        # what the planner would pick before running ATLAS: the stock run's compute, the link's constants
+        best, _ = choose(g[0]["compute"], REPLICAS, MICRO_BATCHES, kib * 1024, r["links"][rtt]["link_Bps"],
+                         r["links"][rtt]["modes"], [c["variant"] for c in g])
+        fastest = min(g, key=lambda c: c["measured_s"])
+        by = {c["variant"]: c["measured_s"] for c in g}
+        choices[f"{rtt:g}ms/{kib}KiB"] = {"chosen": best, "measured_best": fastest["variant"],
+                                          "chosen_vs_best": round(by[best] / fastest["measured_s"], 3)}
+    print("calibrated choice (stock compute, link constants) vs the measured fastest: " + ", ".join(
+        f"{k} {v['chosen']} ({v['chosen_vs_best']:.2f}x the fastest, {v['measured_best']})"
+        for k, v in choices.items()))
     misranked = {f"{k[0]:g}ms/{k[1]}KiB": ranking_agrees(v) for k, v in groups.items()}
     misranked = {k: v for k, v in misranked.items() if v}
     gains = {}
@@ -219,6 +233,7 @@ def report(r: dict) -> None:
         {k: (round(v, 4) if isinstance(v, float) else v) for k, v in c.items() if k != "compute"}
         for c in cells],
         "within": sum(within), "of": len(within), "misranked": misranked, "temporal_gain": gains,
+        "choices": choices,
         "links": {str(k): {"link_MBps": round(v["link_Bps"] / 1e6, 1),
                            "modes": {m: {"alpha_ms": round(x["alpha_s"] * 1e3, 1),
                                          "MBps": round(x["Bps"] / 1e6, 2)} for m, x in v["modes"].items()}}

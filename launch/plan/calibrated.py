@@ -96,3 +96,20 @@ def step_seconds(compute: Sequence[StageCompute], replicas: int, micro_batches: 
               tuple((c.backward,) * replicas for c in compute), routes, act_bytes, micro_batches,
               "deepspeed", wan.sharing, tuple(Collective(c.step) for c in compute))
     return simulate(job).iteration
+
+
+def choose(compute: Sequence[StageCompute], replicas: int, micro_batches: int, act_bytes: float,
+           bandwidth: float, modes: Mapping[str, Mapping[str, float]], settings: Sequence[str],
+           margin: float = 0.05) -> tuple[str, dict[str, float]]:
+    """The WAN setting (of ``settings``, each measured in ``modes``) the calibrated simulator predicts
+    fastest, and every prediction. Temporal sharing is chosen only where it beats spatial sharing at
+    the same connection count by more than ``margin`` (the calibration matrix's measurement noise):
+    a gain the simulator cannot resolve is not claimed."""
+    predicted = {s: step_seconds(compute, replicas, micro_batches, act_bytes, bandwidth,
+                                 LinkMode.from_measured(modes, s), WanSetting.parse(s)) for s in settings}
+    best = min(predicted, key=predicted.get)
+    if best.endswith(":temporal"):
+        spatial = best.replace(":temporal", ":spatial")
+        if spatial in predicted and predicted[spatial] <= predicted[best] * (1 + margin):
+            best = spatial
+    return best, predicted

@@ -2,7 +2,7 @@
 
 import pytest
 
-from launch.plan.calibrated import LinkMode, StageCompute, WanSetting, compute_inputs, step_seconds
+from launch.plan.calibrated import LinkMode, StageCompute, WanSetting, choose, compute_inputs, step_seconds
 
 
 def test_compute_inputs_are_medians_per_stage():
@@ -36,3 +36,18 @@ def test_link_modes_and_settings():
     for bad in ("8", "0:spatial", "x:temporal", "8:both"):
         with pytest.raises(ValueError, match="use 'stock' or K:spatial"):
             WanSetting.parse(bad)
+
+
+def test_choose_claims_temporal_only_beyond_the_margin():
+    compute = [StageCompute(1.0, 2.0, 0.0)] * 2
+    # one connection already fills the link (rate 1 = bandwidth): two replicas gain from taking turns
+    modes = {"stock": {"alpha_s": 0.5, "Bps": 1.0}, "1": {"alpha_s": 0.5, "Bps": 1.0}}
+    best, predicted = choose(compute, 2, 4, 1.0, 1.0, modes, ["stock", "1:spatial", "1:temporal"])
+    assert predicted["1:temporal"] < predicted["1:spatial"] / 1.05 and best == "1:temporal"
+    # a window-limited connection (a quarter of the link): turns gain nothing, spatial is kept
+    modes = {"1": {"alpha_s": 0.5, "Bps": 0.25}}
+    best, predicted = choose(compute, 2, 4, 1.0, 1.0, modes, ["1:spatial", "1:temporal"])
+    assert best == "1:spatial" and predicted["1:temporal"] >= predicted["1:spatial"]
+    # within the margin, the simulator's slight preference for temporal is not claimed
+    best, _ = choose(compute, 2, 4, 1.0, 1.0, modes, ["1:spatial", "1:temporal"], margin=10.0)
+    assert best == "1:spatial"

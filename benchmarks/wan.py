@@ -72,7 +72,10 @@ def _pingpong(rank: int, send, recv, sizes_kib: list[int], repeats: int) -> dict
                 send(x)
             times.append((time.monotonic() - t0) / 2)
         out[str(kib)] = statistics.median(times)
-    return out
+    # rank 0's clock spans the whole round trip (rank 1's send may return once its bytes are buffered)
+    obj = [out]
+    dist.broadcast_object_list(obj, src=0)
+    return obj[0]
 
 
 def worker(rank: int, master: str, peer: str, ifname: str, mib: int, conns: list[int], repeats: int,

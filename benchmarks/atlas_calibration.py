@@ -100,7 +100,8 @@ def predict(ranks: list[dict], variant: str, act_bytes: int, link: dict) -> tupl
 
     compute = compute_inputs([(r["stage"], r["variants"][variant]["ops"]) for r in ranks], 2)
     return step_seconds(compute, REPLICAS, MICRO_BATCHES, act_bytes, link["link_Bps"],
-                        LinkMode.from_measured(link["modes"], variant), WanSetting.parse(variant)), compute
+                        LinkMode.from_measured(link["modes"], variant, act_bytes),
+                        WanSetting.parse(variant)), compute
 
 
 def ranking_agrees(cells: list[dict]) -> list[str]:

@@ -227,19 +227,20 @@ def measure_on(link, mib: int, connections: str, repeats: int, pingpong: str = "
     return rtt, rates, result, link.drops()
 
 
-PINGPONG_KIB = (64, 2048)
+PINGPONG_KIB = (64, 1024, 2048, 4096)
 
 
 def link_constants(link, mib: int = 2, connections: str = "1,8", repeats: int = 3) -> dict:
-    """What the calibrated simulator takes from a link (launch.plan.calibrated.LinkModel), measured on
+    """What the calibrated simulator takes from a link (launch.plan.calibrated.LinkMode), measured on
     it at the priority the job runs at: the link's bytes/s, and for the stock send and each ATLAS
     connection count, alpha and bytes/s of one transfer after an idle gap, from ping-pongs of two
-    sizes (t = alpha + bytes / rate through both points)."""
+    sizes (t = alpha + bytes / rate through both points): 64 KiB and 2 MiB on one connection, 1 and
+    4 MiB with k > 1 (both striped: STRIPE_MIN_BYTES is 1 MiB)."""
     _, rates, result, _ = measure_on(link, mib, connections, repeats, ",".join(map(str, PINGPONG_KIB)),
                                      nice=False)
     out = {"link_Bps": max(rates), "modes": {}}
-    small, large = PINGPONG_KIB
     for mode, r in result.items():
+        small, large = (64, 2048) if mode in ("stock", "1") else (1024, 4096)
         t1, t2 = r["pingpong"][str(small)], r["pingpong"][str(large)]
         rate = (large - small) * 1024 / max(t2 - t1, 1e-9)
         out["modes"][mode] = {"alpha_s": max(0.0, t1 - small * 1024 / rate), "Bps": rate,

@@ -131,7 +131,7 @@ def pipeline_rows(deepspeed_config: str, connections: int = 8, wan: Wan = Wan(),
             ns.sysctl("net.ipv4.tcp_slow_start_after_idle", "0")
         # the link constants, measured on it (ping-pongs, stock and with ATLAS's connections); the
         # launched plan's window: what one stock connection reached
-        constants = link_constants(link, connections=str(connections))
+        constants = link_constants(link, connections=f"1,{connections}")
         window = constants["modes"]["stock"]["Bps"] * wan.rtt_ms / 1e3
         topo = Path(tmp, "topology.json")
         topo.write_text(json.dumps(_topology(link, 2, wan, window)))
@@ -144,7 +144,8 @@ def pipeline_rows(deepspeed_config: str, connections: int = 8, wan: Wan = Wan(),
             compute = compute_inputs([(r["stage"], r["ops"]) for r in ranks], 2)
             setting = "stock" if stock else f"{conns}:{sharing}"
             predicted = step_seconds(compute, 2, MICRO_BATCHES, ranks[0]["act_bytes"], constants["link_Bps"],
-                                     LinkMode.from_measured(constants["modes"], setting),
+                                     LinkMode.from_measured(constants["modes"], setting,
+                                                            ranks[0]["act_bytes"]),
                                      WanSetting.parse(setting))
             rows.append((_result(name, ranks, predicted), f"{what}; predicted {predicted * 1e3:.0f} ms/step"))
         lost = {k: v for k, v in link.drops().items() if v and not k.startswith("tcp_retrans")}

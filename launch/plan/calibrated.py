@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from launch.plan.simulate import Collective, Job, Route, simulate
+from launch.plan.socket_limits import STRIPE_MIN_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +41,14 @@ class LinkMode:
     rate: float
 
     @classmethod
-    def from_measured(cls, modes: Mapping[str, Mapping[str, float]], setting: str) -> LinkMode:
-        """From benchmarks.wan.link_constants' ``modes`` (``stock``, ``1``, ``8``, ...)."""
+    def from_measured(cls, modes: Mapping[str, Mapping[str, float]], setting: str,
+                      act_bytes: float = STRIPE_MIN_BYTES) -> LinkMode:
+        """From benchmarks.wan.link_constants' ``modes`` (``stock``, ``1``, ``8``, ...). A transfer of
+        ``act_bytes`` below STRIPE_MIN_BYTES goes whole over one connection of ATLAS's WAN group: the
+        ``1`` mode (the stock one where ``1`` was not measured)."""
         key = "stock" if setting == "stock" else setting.split(":")[0]
+        if key not in ("stock", "1") and act_bytes < STRIPE_MIN_BYTES:
+            key = "1" if "1" in modes else "stock"
         if key not in modes:
             raise ValueError(f"link constants: no measurement for {key!r} (measured: {sorted(modes)})")
         return cls(float(modes[key]["alpha_s"]), float(modes[key]["Bps"]))
@@ -90,7 +96,9 @@ def step_seconds(compute: Sequence[StageCompute], replicas: int, micro_batches: 
     if S < 2:
         raise ValueError(f"step_seconds: a pipeline needs >= 2 stages, got {S}")
     cut = (S - 1) // 2 if wan_boundary is None else wan_boundary
-    wan_route = Route(mode.alpha, bandwidth, ("a", "b"), wan.connections, mode.rate / wan.connections)
+    # below STRIPE_MIN_BYTES ATLAS sends a transfer whole, over one connection (mode: that connection's)
+    streams = wan.connections if act_bytes >= STRIPE_MIN_BYTES else 1
+    wan_route = Route(mode.alpha, bandwidth, ("a", "b"), streams, mode.rate / streams)
     routes = tuple((wan_route if e == cut else Route(0.0, float("inf")),) * replicas for e in range(S - 1))
     job = Job(tuple((c.forward,) * replicas for c in compute),
               tuple((c.backward,) * replicas for c in compute), routes, act_bytes, micro_batches,
@@ -106,7 +114,8 @@ def choose(compute: Sequence[StageCompute], replicas: int, micro_batches: int, a
     the same connection count by more than ``margin`` (the calibration matrix's measurement noise):
     a gain the simulator cannot resolve is not claimed."""
     predicted = {s: step_seconds(compute, replicas, micro_batches, act_bytes, bandwidth,
-                                 LinkMode.from_measured(modes, s), WanSetting.parse(s)) for s in settings}
+                                 LinkMode.from_measured(modes, s, act_bytes), WanSetting.parse(s))
+                 for s in settings}
     best = min(predicted, key=predicted.get)
     if best.endswith(":temporal"):
         spatial = best.replace(":temporal", ":spatial")

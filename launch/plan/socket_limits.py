@@ -26,6 +26,9 @@ NCCL_MAX_THREADS = 16
 NCCL_DEFAULT_BUFFSIZE = 4 * 2**20
 NCCL_CHANNELS = 2            # NCCL_NCHANNELS_PER_NET_PEER's default
 MAX_SOCKS_PER_THREAD = 8     # AWS's default split is 2 threads x 8 sockets; more per thread starves it
+# ATLAS's gloo striping (launch.net.striping) sends a transfer below this whole, over one connection of
+# its WAN group: striping would only add latency. The calibrated simulator models the same rule.
+STRIPE_MIN_BYTES = 1 << 20
 
 # Effective window of one connection = this fraction of the socket buffer maximum: Linux keeps part
 # of the receive buffer for metadata (tcp_adv_win_scale / scaling_ratio); measured about 0.6 on this

@@ -20,8 +20,9 @@ def test_the_hand_derived_timeline_through_measured_inputs():
     """tests/launch/plan/test_deepspeed_schedule.py's case: t_f 1, t_b 2, a transfer 1 + 0.5 latency."""
     compute = [StageCompute(1.0, 2.0, 0.0)] * 2
     assert step_seconds(compute, 1, 2, 1.0, 10.0, LinkMode(0.5, 1.0), WanSetting()) == pytest.approx(15.0)
-    # eight connections of a mode that reaches 8 bytes/s: the link (10 bytes/s) is not the limit
-    assert step_seconds(compute, 1, 2, 8.0, 10.0, LinkMode(0.5, 8.0), WanSetting(8, "spatial")) \
+    # 8 MiB striped over eight connections of a mode that reaches 8 MiB/s: the link is not the limit
+    mib = 2**20
+    assert step_seconds(compute, 1, 2, 8 * mib, 10 * mib, LinkMode(0.5, 8 * mib), WanSetting(8, "spatial")) \
         == pytest.approx(15.0)
 
 
@@ -29,6 +30,10 @@ def test_link_modes_and_settings():
     modes = {"stock": {"alpha_s": 0.01, "Bps": 4e6}, "8": {"alpha_s": 0.02, "Bps": 3e7}}
     assert LinkMode.from_measured(modes, "stock") == LinkMode(0.01, 4e6)
     assert LinkMode.from_measured(modes, "8:temporal") == LinkMode(0.02, 3e7)
+    # below STRIPE_MIN_BYTES ATLAS sends whole, over one connection: the "1" mode, else the stock one
+    assert LinkMode.from_measured(modes, "8:temporal", 256 * 1024) == LinkMode(0.01, 4e6)
+    assert LinkMode.from_measured({**modes, "1": {"alpha_s": 0.03, "Bps": 5e6}}, "8:spatial", 1024) \
+        == LinkMode(0.03, 5e6)
     with pytest.raises(ValueError, match="no measurement for '4'"):
         LinkMode.from_measured(modes, "4:spatial")
     assert WanSetting.parse("stock") == WanSetting(1, "spatial")

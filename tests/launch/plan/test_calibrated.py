@@ -47,12 +47,17 @@ def test_choose_claims_temporal_only_beyond_the_margin():
     compute = [StageCompute(1.0, 2.0, 0.0)] * 2
     # one connection already fills the link (rate 1 = bandwidth): two replicas gain from taking turns
     modes = {"stock": {"alpha_s": 0.5, "Bps": 1.0}, "1": {"alpha_s": 0.5, "Bps": 1.0}}
-    best, predicted = choose(compute, 2, 4, 1.0, 1.0, modes, ["stock", "1:spatial", "1:temporal"])
+    settings = ["stock", "1:spatial", "1:temporal"]
+    best, predicted = choose(compute, 2, 4, 1.0, 1.0, modes, settings, allow_temporal=True)
     assert predicted["1:temporal"] < predicted["1:spatial"] / 1.05 and best == "1:temporal"
+    # by default temporal is never chosen (the calibration matrix never measured it paying)
+    assert choose(compute, 2, 4, 1.0, 1.0, modes, settings)[0] in ("stock", "1:spatial")   # equal here
     # a window-limited connection (a quarter of the link): turns gain nothing, spatial is kept
     modes = {"1": {"alpha_s": 0.5, "Bps": 0.25}}
-    best, predicted = choose(compute, 2, 4, 1.0, 1.0, modes, ["1:spatial", "1:temporal"])
+    best, predicted = choose(compute, 2, 4, 1.0, 1.0, modes, ["1:spatial", "1:temporal"], allow_temporal=True)
     assert best == "1:spatial" and predicted["1:temporal"] >= predicted["1:spatial"]
-    # within the margin, the simulator's slight preference for temporal is not claimed
-    best, _ = choose(compute, 2, 4, 1.0, 1.0, modes, ["1:spatial", "1:temporal"], margin=10.0)
+    # within the margin, a predicted gain of temporal is not claimed
+    modes = {"1": {"alpha_s": 0.5, "Bps": 1.0}}
+    best, _ = choose(compute, 2, 4, 1.0, 1.0, modes, ["1:spatial", "1:temporal"], margin=10.0,
+                     allow_temporal=True)
     assert best == "1:spatial"

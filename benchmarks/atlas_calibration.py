@@ -47,8 +47,8 @@ NODE_TIMEOUT = 600
 SIZES = {256: (512, 128), 1024: (1024, 256), 64: (256, 64)}
 
 
-def variants(connections: list[int]) -> list[str]:
-    return ["stock"] + [f"{k}:{mode}" for k in connections for mode in ("spatial", "temporal")]
+def variants(connections: list[int], sharings: tuple[str, ...] = ("spatial", "temporal")) -> list[str]:
+    return ["stock"] + [f"{k}:{mode}" for k in connections for mode in sharings]
 
 
 def topology(link, window: float, rtt_ms: float, hidden: int) -> dict:
@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
         report(result)
 
 
-def run(rtts: list[float], acts: list[int], conns: list[int], steps: int) -> dict | None:
+def run(rtts: list[float], acts: list[int], conns: list[int], steps: int,
+        sharings: tuple[str, ...] = ("spatial", "temporal")) -> dict | None:
     from benchmarks.wan import link_constants
     from launch.net import netns
     from launch.net.wanemu import WanLink
@@ -159,11 +160,11 @@ def run(rtts: list[float], acts: list[int], conns: list[int], steps: int) -> dic
             window = min(limit, one * rtt_ms / 1e3)
             for kib in acts:
                 hidden, rows = SIZES[kib]
-                args = ["--variants", ",".join(variants(conns)), "--steps", str(steps), "--warmup", "1",
-                        "--hidden", str(hidden), "--micro-batch", str(rows)]
+                args = ["--variants", ",".join(variants(conns, sharings)), "--steps", str(steps),
+                        "--warmup", "1", "--hidden", str(hidden), "--micro-batch", str(rows)]
                 with tempfile.TemporaryDirectory(prefix="atlas-cal-") as tmp:
                     ranks = launch(link, topology(link, window, rtt_ms, hidden), args, Path(tmp))
-                for v in variants(conns):
+                for v in variants(conns, sharings):
                     pred, comp = predict(ranks, v, rows * hidden * 4, constants)
                     cells.append({"rtt_ms": rtt_ms, "act_kib": kib, "variant": v,
                                   "measured_s": measured(ranks, v), "predicted_s": pred, "compute": comp})

@@ -1,6 +1,7 @@
 """The main job's ``--atlas`` rows: the MoE model as a 2-stage pipeline across two emulated data centers,
 started by ``deepspeed-atlas`` (``python -m launch``) once with DeepSpeed's own pipeline sends and once
-with ATLAS's multi-TCP striping and temporal sharing.
+with ATLAS's multi-TCP striping (spatial sharing: temporal sharing never paid in the calibration matrix,
+benchmarks/atlas_calibration.py).
 
 Two network namespaces are the two data centers' hosts (2 ranks each), joined by launch.net.wanemu's WAN:
 a user-space delay line for the round trip and a ``tbf`` rate limit; TCP buffers inside the namespaces
@@ -138,8 +139,8 @@ def pipeline_rows(deepspeed_config: str, connections: int = 8, wan: Wan = Wan(),
         for name, conns, sharing, stock, what in (
                 ("pipeline", 1, "spatial", True,
                  f"DeepSpeed pipeline sends, 1 TCP connection ({wan.describe()})"),
-                ("pipeline+ATLAS", connections, "temporal", False,
-                 f"ATLAS: {connections} TCP connections, temporal sharing ({wan.describe()})")):
+                ("pipeline+ATLAS", connections, "spatial", False,
+                 f"ATLAS: {connections} TCP connections, spatial sharing ({wan.describe()})")):
             ranks = _run(link, topo, Path(tmp, name), conns, sharing, stock, args)
             compute = compute_inputs([(r["stage"], r["ops"]) for r in ranks], 2)
             setting = "stock" if stock else f"{conns}:{sharing}"

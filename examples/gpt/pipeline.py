@@ -11,7 +11,7 @@ by the config) whose experts are spread over the two DP ranks of their stage (EP
 the data center). Stage 0 sends [seq, micro, hidden] activations across the WAN, stage 1 their
 gradients back. ``--stock-p2p`` keeps DeepSpeed's pipeline sends (one TCP connection per pair, both
 pipelines on the WAN at once); otherwise ``launch.run.runtime.enable_deepspeed`` stripes them over the
-launcher's ``--wan-connections`` and lets the DP pipelines take turns (temporal sharing).
+launcher's ``--wan-connections``, sharing the WAN as ``--atlas-sharing`` says.
 
 Every rank writes ``rank<N>.json`` to ``--out``: train losses, held-out loss, step times, bytes sent
 per step by kind, the median seconds of each instruction of DeepSpeed's engine over the timed steps

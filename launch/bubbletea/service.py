@@ -100,6 +100,10 @@ class Service:
         self.weights = tensor_bytes(self.model) if isinstance(self.model, torch.nn.Module) else 0
         self.chunk_tokens, self.guard = setup["chunk_tokens"], setup["guard"]
         self.fit = setup.get("cost") or self.calibrate()
+        if setup.get("cost"):     # no timing run warmed the kernels: do it here, not in the first window
+            size = min(self.chunk_tokens, self.spec.max_seq)
+            self.model.prefill_chunk(torch.zeros(size, dtype=torch.long), self.model.new_cache(size))
+            synchronize(stream)
         self.ratio = 1.0             # measured / predicted, a running mean
         self.queue: OrderedDict = OrderedDict()     # id -> [tokens, t_submit, cache | None, done]
         self.plan: dict = {}

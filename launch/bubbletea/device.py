@@ -142,8 +142,8 @@ class StreamRunner:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             with on_stream(self.stream):
-                service = self._make(self.stream)
-                self.emit("ready", service.fit)
+                service = self._make(self.stream, self.inbox.put)
+                self.emit("ready", service.fit, service.address)
                 while service.handle(self.inbox.get()):
                     pass
         except BaseException:

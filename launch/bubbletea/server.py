@@ -101,7 +101,8 @@ class PrefillServer:
                  callback: Callable[[PrefillResult], None], guard: float = 1e-3, nice: int = 19,
                  idle: bool = True, threads: int = 1, cost: tuple[float, float, float] | None = None,
                  start_timeout: float = 300.0, cpus: Iterable[int] | None = None, device=None,
-                 runner: str | None = None, memory_fraction: float | None = 0.5) -> None:
+                 runner: str | None = None, memory_fraction: float | None = 0.5,
+                 pipeline: dict | None = None) -> None:
         """``config``: the inference model, a :class:`launch.bubbletea.model.ModelSpec` (an
         :class:`LMConfig`, or any picklable spec with ``vocab``, ``max_seq``, ``build(device)``; a
         :class:`CausalLM` sends its weights along); ``device``: where prefill runs (default cpu);
@@ -110,7 +111,8 @@ class PrefillServer:
         ``nice`` and ``idle`` (Linux ``SCHED_IDLE``): the process's CPU priority; ``cost``: a fixed
         ``(a, b, e)`` instead of timing the model; ``cpus``: the CPUs the process may run on (default:
         the rank's); ``memory_fraction``: the KV caches' cap, as a fraction of the device memory free
-        after training's first iterations (:meth:`measure_memory`; None: no cap)."""
+        after training's first iterations (:meth:`measure_memory`; None: no cap); ``pipeline``: set by
+        :func:`launch.bubbletea.pipelined.stage_server` (one stage of a pipelined inference model)."""
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ValueError(f"chunk_tokens={chunk_tokens!r}: a chunk holds at least one token")
         if not guard >= 0:
@@ -155,21 +157,21 @@ class PrefillServer:
         self._pongs: dict[int, threading.Event] = {}
         self._seq = 0.0
         self._spans: deque = deque(maxlen=100_000)   # (start, end) perf_counter of chunks not yet taken
-        self._ready = threading.Event()
+        self._ready, self._linked = threading.Event(), threading.Event()
         self._first: tuple = ()
         setup = {"model": spec, "device": str(self.device), "chunk_tokens": chunk_tokens, "guard": guard,
                  "nice": nice, "idle": idle, "threads": threads, "cost": cost, "cpus": cpus,
-                 "memory_cap": None}
+                 "memory_cap": None, **(pipeline or {})}
         if runner == "stream":
             self._proc = None
             self._window = memoryview(array.array("d", [0.0, 0.0]))
-            self._runner = StreamRunner(lambda stream: Service(self._on, self._window, setup, stream),
-                                        self.device, self._on)
+            self._runner = StreamRunner(lambda stream, post: Service(self._on, self._window, setup, stream,
+                                                                     post), self.device, self._on)
             if not self._ready.wait(start_timeout):
                 raise RuntimeError(f"the BubbleTea prefill stream did not start within {start_timeout} s")
             if self._first[0] != "ready":
                 raise RuntimeError(f"the BubbleTea prefill stream failed to start:\n{self._first[-1]}")
-            self.fit = self._first[1]
+            self.fit, self.address = self._first[1:3]
             return
         self._runner = None
         fd_window = os.memfd_create("bubbletea-window")
@@ -197,7 +199,7 @@ class PrefillServer:
         if msg[0] != "ready":
             self._proc.kill()
             raise RuntimeError(f"the BubbleTea prefill service failed to start:\n{msg[-1]}")
-        self.fit = msg[1]
+        self.fit, self.address = msg[1:3]
         self._collector = threading.Thread(target=self._collect, name="bubbletea-collector", daemon=True)
         self._collector.start()
 
@@ -275,6 +277,17 @@ class PrefillServer:
     def raise_error(self) -> None:
         if self.error is not None:
             raise RuntimeError(f"the BubbleTea prefill service failed:\n{self.error}")
+
+    def link(self, to, timeout: float = 120.0) -> None:
+        """Pipelined: ``"accept"`` the previous stage's service, or reach the next one's at address ``to``
+        (:func:`launch.bubbletea.pipelined.link_stages` calls both, in an order that cannot deadlock)."""
+        self._linked.clear()
+        with self._lock:
+            self._post("link", to)
+        if not self._linked.wait(timeout):
+            raise TimeoutError(f"BubbleTea: the pipelined stage's link ({to!r}) did not come up in "
+                               f"{timeout} s")
+        self.raise_error()
 
     def measure_memory(self) -> dict:
         """Cap the KV caches at ``memory_fraction`` of the device memory free now (call it after training's
@@ -357,6 +370,8 @@ class PrefillServer:
         elif kind == "fit":
             self.fit, self._ratio = msg[0], 1.0
             st.recalibrated += 1
+        elif kind == "linked":
+            self._linked.set()
         elif kind == "pong":
             self._pongs[msg[0]].set()
         elif kind in ("ready", "error") and not self._ready.is_set():
@@ -364,5 +379,5 @@ class PrefillServer:
             self._ready.set()
         elif kind == "error":
             self.error = msg[0]
-            for event in self._pongs.values():
+            for event in (*self._pongs.values(), self._linked):
                 event.set()

@@ -37,11 +37,13 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
+import queue
+import threading
 import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Client, Connection, Listener
 
 import torch
 
@@ -73,6 +75,8 @@ def fit_cost(model: PrefillModel, max_seq: int, vocab: int, chunk_tokens: int, s
     for cap in caps:
         for size in sorted({max(1, min(chunk_tokens, cap) // 2), min(chunk_tokens, cap)}):
             tokens = torch.randint(vocab, (size,), generator=g)
+            if hasattr(model, "example_input"):         # a later stage of a pipelined model: activations
+                tokens = model.example_input(tokens)
             samples = []
             for _ in range(repeats + 1):                      # the first run warms the kernels
                 cache = model.new_cache(cap)
@@ -92,8 +96,9 @@ class Service:
     """The scheduling core, whichever runner drives it: the request queue, the model, the cost model,
     the packer, the window rule and the memory cap. ``emit(*msg)`` sends the out-messages."""
 
-    def __init__(self, emit: Callable, window, setup: dict, stream=None) -> None:
-        self.emit, self.window, self.stream = emit, window, stream
+    def __init__(self, emit: Callable, window, setup: dict, stream=None,
+                 post: Callable | None = None) -> None:
+        self.emit, self.window, self.stream, self.post = emit, window, stream, post
         self.spec = setup["model"]
         self.device = torch.device(setup.get("device") or "cpu")
         self.model = self.spec.build(self.device)
@@ -102,13 +107,20 @@ class Service:
         self.fit = setup.get("cost") or self.calibrate()
         if setup.get("cost"):     # no timing run warmed the kernels: do it here, not in the first window
             size = min(self.chunk_tokens, self.spec.max_seq)
-            self.model.prefill_chunk(torch.zeros(size, dtype=torch.long), self.model.new_cache(size))
+            x = torch.zeros(size, dtype=torch.long)
+            x = self.model.example_input(x) if hasattr(self.model, "example_input") else x
+            self.model.prefill_chunk(x, self.model.new_cache(size))
             synchronize(stream)
         self.ratio = 1.0             # measured / predicted, a running mean
-        self.queue: OrderedDict = OrderedDict()     # id -> [tokens, t_submit, cache | None, done]
+        self.queue: OrderedDict = OrderedDict()     # id -> [inputs, t_submit, cache | None, done, total]
         self.plan: dict = {}
         self.cap: int | None = setup.get("memory_cap")   # bytes the KV caches may hold (None: no cap)
         self.kv = self.kv_peak = 0
+        # pipelined (launch.bubbletea.pipelined): a stage after the first listens for the one before it
+        self.key = setup.get("authkey")
+        self.listener = Listener((setup["listen"], 0), authkey=self.key) if setup.get("listen") else None
+        self.address = self.listener.address if self.listener is not None else None
+        self.down: Connection | None = None                  # the next stage's service
 
     def calibrate(self) -> tuple[float, float, float]:
         return fit_cost(self.model, self.spec.max_seq, self.spec.vocab, self.chunk_tokens, self.stream)
@@ -134,7 +146,18 @@ class Service:
         kind = msg[0]
         if kind == "submit":
             _, rid, tokens, t_submit = msg
-            self.queue[rid] = [tokens, t_submit, None, 0]
+            self.queue[rid] = [tokens, t_submit, None, 0, len(tokens)]
+        elif kind == "activations":                  # a chunk's output from the previous stage
+            _, rid, lo, hi, total, x, t_submit = msg
+            q = self.queue.setdefault(rid, [Arrived(), t_submit, None, 0, total])
+            q[0].add(lo, hi, x)
+        elif kind == "link":                         # pipelined: accept the previous stage, reach the next
+            if msg[1] == "accept":
+                up = self.listener.accept()
+                threading.Thread(target=_forward, args=(up, self.post), daemon=True).start()
+            else:
+                self.down = Client(msg[1], authkey=self.key)
+            self.emit("linked", msg[1] == "accept")
         elif kind == "windows":
             self.ratio = 1.0 + 0.8 * (self.ratio - 1.0)     # a slow spell that stopped all prefill fades
             windows = [Window(None, start, start + length, tag) for tag, start, length in msg[1]]
@@ -147,6 +170,8 @@ class Service:
                 q = self.queue[rid]
                 for chunk in Request(rid, len(q[0]), done=q[3]).chunks(self.chunk_tokens):
                     self.run_chunk(chunk)
+            if self.down is not None:         # pipelined: the next stage drains once all of it arrived
+                send(self.down, *DRAINED)
         elif kind == "cap":
             self.cap = msg[1]
             self.emit("memory", self.memory())
@@ -177,9 +202,9 @@ class Service:
         q = self.queue.get(chunk.request)
         if q is None or q[3] != chunk.lo:          # an earlier chunk of it was not run: not its turn
             return
-        tokens, t_submit, cache, _ = q
+        tokens, t_submit, cache, _, total = q
         if cache is None:
-            cache = q[2] = self.model.new_cache(len(tokens))
+            cache = q[2] = self.model.new_cache(total)
             self.kv += cache.nbytes
             self.kv_peak = max(self.kv_peak, self.kv)
         predicted = self.cost(chunk)
@@ -190,11 +215,52 @@ class Service:
         q[3] = chunk.hi
         self.ratio *= 0.8 + 0.2 * (t1 - t0) / predicted
         self.emit("chunk", t0, t1, chunk.tokens, self.ratio)
-        if chunk.hi == len(tokens):
+        if self.down is not None:                  # to the next stage, inside the data center
+            send(self.down, chunk.request, chunk.lo, chunk.hi, total, logits, t_submit)
+        if chunk.hi == total:
             del self.queue[chunk.request]
             self.kv -= cache.nbytes                    # handed off: the caller's from here
+            if self.down is not None:              # a stage's part: its layers' cache, no logits yet
+                self.emit("done", chunk.request, cache, None, None, t_submit, t1, self.memory())
+                return
             last = logits[-1]
             self.emit("done", chunk.request, cache, last, int(last.argmax()), t_submit, t1, self.memory())
+
+
+class Arrived:
+    """A later stage's inputs of one request: the chunks' activations as they come, by token range."""
+
+    def __init__(self) -> None:
+        self.parts: dict[int, tuple[int, object]] = {}
+        self.hi = 0
+
+    def add(self, lo: int, hi: int, x) -> None:
+        self.parts[lo] = (hi, x)
+        while self.hi in self.parts:
+            self.hi = self.parts[self.hi][0]
+
+    def __len__(self) -> int:                        # the tokens ready to run (the packer's request)
+        return self.hi
+
+    def __getitem__(self, span: slice):
+        hi, x = self.parts.pop(span.start)
+        if hi != span.stop:
+            raise ValueError(f"chunk [{span.start}, {span.stop}) does not match the arrived "
+                             f"[{span.start}, {hi})")
+        return x
+
+
+DRAINED = ("drained",)       # on a stage link: the previous stage drained; drain too, after its rows
+
+
+def _forward(conn: Connection, post: Callable) -> None:
+    """The previous stage's rows into this service's inbox, in the order they were sent."""
+    try:
+        while True:
+            msg = recv(conn)        # by value: torch's reductions would pass tensors as fds
+            post(("drain",) if msg == DRAINED else ("activations", *msg))
+    except (EOFError, OSError):
+        return
 
 
 def _cache_bytes(model, tokens: int) -> int:
@@ -215,16 +281,28 @@ def main(fds: list[int]) -> None:
         if setup["idle"]:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         torch.set_num_threads(setup["threads"])
-        service = Service(lambda *msg: send(out, *msg), window, setup)
-        send(out, "ready", service.fit)
+        inbox: queue.Queue = queue.Queue()        # the rank's messages and, pipelined, the previous stage's
+        service = Service(lambda *msg: send(out, *msg), window, setup, post=inbox.put)
+        send(out, "ready", service.fit, service.address)
+        threading.Thread(target=_read, args=(conn_in, inbox), daemon=True).start()
         while True:
-            if not conn_in.poll(1.0):
+            try:
+                msg = inbox.get(timeout=1.0)
+            except queue.Empty:
                 if os.getppid() != parent:          # the rank died: nothing left to serve
                     return
                 continue
-            if not service.handle(recv(conn_in)):
+            if msg is None or not service.handle(msg):
                 return
     except EOFError:
         return
     except BaseException:
         send(out, "error", traceback.format_exc())
+
+
+def _read(conn: Connection, inbox: queue.Queue) -> None:
+    try:
+        while True:
+            inbox.put(recv(conn))
+    except (EOFError, OSError):
+        inbox.put(None)

@@ -280,9 +280,9 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
 
 def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
     """Per rank: its service's counters, its share of the prefill, its slowdown, plan vs measurement;
-    prints the table and a warning for a starved rank (a share under half the even share, or no chunk;
-    pipelined, every stage runs every chunk, so the even share is the whole)."""
-    tokens = sum(r["tokens"] for r in ranks)
+    prints the table and a warning for a starved rank (a share under half the even share, or no chunk)."""
+    # pipelined, every stage runs every token: a stage's share is of the stage that ran the most
+    tokens = max(r["tokens"] for r in ranks) if cfg["pipelined"] else sum(r["tokens"] for r in ranks)
     even = 1.0 if cfg["pipelined"] else 1.0 / len(ranks)
     rows = []
     for r in ranks:

@@ -417,7 +417,10 @@ def run_atlas(cfg: dict) -> list[dict]:
                    json.dumps(job)]
             procs.append(link.lab.popen(ns, cmd, stdout=subprocess.PIPE, text=True, cwd=_REPO,
                                         env={**os.environ, "GLOO_SOCKET_IFNAME": ifname,
-                                             "OMP_NUM_THREADS": "1", "COMMWEAVE_RANK_THREADS": "1"}))
+                                             "OMP_NUM_THREADS": "1", "COMMWEAVE_RANK_THREADS": "1",
+                                             "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                                             "LOCAL_SIZE": "1", "MASTER_ADDR": master,
+                                             "MASTER_PORT": "29631"}))
         outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"--atlas: a rank failed (exit codes {[p.returncode for p in procs]}):\n{outs}")

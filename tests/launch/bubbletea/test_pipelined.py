@@ -46,6 +46,7 @@ def test_bad_splits_are_refused():
         split(CFG, 4)
 
 
+@pytest.mark.slow
 def test_linked_services_prefill_window_by_window():
     """Two stage services (processes at SCHED_IDLE, as on CPU ranks) linked over loopback: stage 0 runs a
     chunk in its window and sends the rows; stage 1 runs them in its own next window."""

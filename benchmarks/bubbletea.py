@@ -156,7 +156,7 @@ def bench_rank(cfg: dict) -> dict:
     on = [it for it in its if it.prefill_on]
     off = [it for it in its if not it.prefill_on][cfg["warmup"]:]
     out = {
-        "rank": dist.get_rank(),
+        "rank": dist.get_rank(), "last": last,
         "stock": walls["stock"], "on": walls["on"][:cfg["pairs"]], "profile": walls["profile"],
         "util_off": _median([it.utilisation for it in off]),
         "util_on": _median([it.utilisation for it in on]),
@@ -232,7 +232,8 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
     stock, on, prof = _median(r0["stock"]), _median(r0["on"]), _median(r0["profile"])
     util_off = statistics.mean(r["util_off"] for r in ranks)
     util_on = statistics.mean(r["util_on"] for r in ranks)
-    tok_s = sum(r["tokens_per_s"] for r in ranks)
+    # pipelined, each stage runs every token: the prefill done is the last stage's
+    tok_s = sum(r["tokens_per_s"] for r in ranks if not cfg["pipelined"] or r["last"])
     ttft = sorted(t for r in ranks for t in r["ttft"])
     p90 = ttft[int(0.9 * (len(ttft) - 1))] if ttft else float("nan")
     binding = (f"each bound to its own {len(cfg['cores'][0])} core(s) with its prefill service"

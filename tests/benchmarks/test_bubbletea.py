@@ -9,7 +9,8 @@ from benchmarks import bubbletea as bench
 
 
 def _rank(rank, stock, on, profile, ttft):
-    return {"rank": rank, "stock": stock, "on": on, "profile": profile, "util_off": 0.4, "util_on": 0.7,
+    return {"rank": rank, "last": True, "stock": stock, "on": on, "profile": profile, "util_off": 0.4,
+            "util_on": 0.7,
             "train_busy_on": 4.0, "prefill_busy_on": 3.0, "wall_on": 10.0, "windows": [(5, 20.0)],
             "ttft": ttft, "prefilled": len(ttft), "chunks": 8, "skipped": 1, "closed": 0,
             "tokens_per_s": 100.0, "steady_iterations": 12, "tokens": 800 * (rank + 1),

@@ -20,6 +20,9 @@
 #   8. parm     python -m benchmarks.parm_gpu_check --device cuda (block "Parm checks" below): a bf16 ParmMoE
 #               forward+backward and a no_grad "auto" forward against DeepSpeed's MoE; dispatch/combine with
 #               hidden sizes 33 and 65, a storage-offset view and a non-default stream against the reference
+#   9. bubbletea python -m benchmarks.bubbletea_gpu --device cuda (block "BubbleTea on one GPU" below): a
+#               training loop with emulated bubbles (sleeps on a high-priority training stream) and BubbleTea's
+#               prefill on the least-priority stream: training-step slowdown, prefill tokens/s, peak memory
 # Each step prints PASS, FAIL or SKIP with its time; a failed step skips the ones that need it. The whole
 # log, the pytest report, the benchmark's output and summary.json go to $OUT (the device tool sets it;
 # default .gpu_check/). Exit status 0 only if every step passed. Warm-machine budget: under 7 minutes.
@@ -141,10 +144,11 @@ run_gpu() {
     step gpu 60 gpu_info || { skip wheels "no usable GPU"; skip build "no usable GPU"; skip tests "no usable GPU"
                               skip bench "no usable GPU"; skip wallfacer_blocks "no usable GPU"
                               skip wallfacer_packed "no usable GPU"; skip wallfacer_calibrate "no usable GPU"
-                              skip parm "no usable GPU"; return; }
+                              skip parm "no usable GPU"; skip bubbletea "no usable GPU"; return; }
     step wallfacer_blocks 180 wallfacer_blocks
     step wallfacer_packed 180 wallfacer_packed
     step wallfacer_calibrate 180 wallfacer_calibrate
+    step bubbletea 180 bubbletea_gpu
     local have_wheels=1
     if compgen -G ".whl/*.whl" > /dev/null; then
         step wheels 180 install_wheels || have_wheels=0
@@ -249,6 +253,7 @@ run_dry() {
     step wallfacer_packed 300 wallfacer_packed_dry
     step wallfacer_calibrate 300 wallfacer_calibrate_dry
     step parm 300 parm_checks_cpu
+    step bubbletea 300 bubbletea_gpu_dry
 }
 
 # --- WallFacer block kernels (issue 10, item 7) ------------------------------------------------------
@@ -326,6 +331,23 @@ parm_checks_cpu() {
     DS_ACCELERATOR=cpu "$python" -m benchmarks.parm_gpu_check --device cpu --json "$out/parm_check.json"
 }
 # --- end of the Parm checks ----------------------------------------------------------------------------------
+
+# --- BubbleTea on one GPU (issue 20, item 1) ----------------------------------------------------------------
+# bubbletea: benchmarks/bubbletea_gpu.py on the GPU: a training loop whose steps are matmuls then an emulated
+# bubble (torch.cuda._sleep on the training stream, of the greatest priority), BubbleTea's PrefillServer on the
+# device (runner "stream": a thread of the process, the least-priority stream) planned into each bubble;
+# stock and prefill-on steps interleaved; prints the step slowdown, prefill tokens/s, the peak memory, the KV
+# cap and peak, and the logits against the same chunks run alone. Needs only torch. The dry run runs its CPU
+# twin (the null stream: the same server, service and window code).
+bubbletea_gpu() {
+    "$python" -m benchmarks.bubbletea_gpu --device cuda 2>&1 | tee "$out/bubbletea.txt"
+    return "${PIPESTATUS[0]}"
+}
+
+bubbletea_gpu_dry() {
+    "$python" -m benchmarks.bubbletea_gpu --device cpu --steps 8
+}
+# --- end of BubbleTea on one GPU -----------------------------------------------------------------------------
 
 case "${1:-}" in
     --step)  # internal: one step's function, run by step() under its time limit

@@ -32,8 +32,17 @@ from commweave import values
 from launch.plan import baselines, gain
 from launch.plan import topology as topology_mod
 from launch.plan.estimate import ModelSpec, stage_layers
-from launch.plan.placement import (DEFAULT_SHARING, SHARINGS, UNVALIDATED, atlas_layouts, choose, load_model,
-                                   plan_of, render, sharing_modes)
+from launch.plan.placement import (
+    DEFAULT_SHARING,
+    SHARINGS,
+    UNVALIDATED,
+    atlas_layouts,
+    choose,
+    load_model,
+    plan_of,
+    render,
+    sharing_modes,
+)
 from launch.plan.search import Choice, best
 from launch.plan.socket_limits import DEFAULT_WINDOW, tcp_advice
 from launch.plan.timeline import Op, draw, write_trace
@@ -138,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="fix the TCP connections per WAN pair (1..64; default: the planner chooses)")
     ap.add_argument("--sharing", default=DEFAULT_SHARING, metavar="|".join(SHARINGS),
                     help="how DP replicas share a WAN link: at once (spatial, the default), taking turns "
-                         f"(temporal), or the faster by the simulator (auto); temporal and auto are {UNVALIDATED}")
+                         "(temporal), or the faster by the simulator (auto); temporal and auto are "
+                         f"{UNVALIDATED}")
     ap.add_argument("--timeline", metavar="FILE.png", help="draw ATLAS's iteration, one row per GPU")
     ap.add_argument("--timeline-span", metavar="START:END", type=_span, default=None,
                     help="draw only this part of the iteration, in seconds (default: all of it)")

@@ -9,8 +9,9 @@ every (pp, tp, dp), widened here (:func:`placements`): the fill in every order o
 order of the used DCs along the pipeline (link bandwidth and latency decide it with 3+ DCs); layers
 in proportion to each stage's GPU speed (``gpu_tflops``) within its memory; the number of TCP
 connections (:func:`fill_connections`) chosen with the layout, the sharing mode as :data:`SHARINGS` says
-(spatial unless asked: temporal sharing is unvalidated). Every candidate is ranked by the discrete-event simulator (:mod:`launch.plan.search`: branch and
-bound on a proven lower bound, so none that could win is skipped); the fastest iteration wins, fewer
+(spatial unless asked: temporal sharing is unvalidated). Every candidate is ranked by the discrete-event
+simulator (:mod:`launch.plan.search`: branch and bound on a proven lower bound, so none that could win is
+skipped); the fastest iteration wins, fewer
 GPUs on a tie. That choice is also how ATLAS "picks how many GPUs to use in each DC". Nothing here
 reads this machine's sysctls: a WAN connection's window is the topology's ``window_mb`` or Linux's
 default (launch.plan.socket_limits.DEFAULT_WINDOW); the launcher reports local TCP settings as warnings only.

@@ -47,8 +47,15 @@ from unittest import mock
 from commweave import values
 from launch.net.sockets import nccl_env
 from launch.plan import topology
-from launch.plan.placement import (DEFAULT_SHARING, SHARINGS, UNVALIDATED, load_model, make_plan, render,
-                                   sharing_modes)
+from launch.plan.placement import (
+    DEFAULT_SHARING,
+    SHARINGS,
+    UNVALIDATED,
+    load_model,
+    make_plan,
+    render,
+    sharing_modes,
+)
 from launch.plan.plan import Plan
 from launch.plan.socket_limits import tcp_advice
 from launch.run import launchers, runtime

@@ -29,7 +29,7 @@ from torch import nn
 
 from commweave import comm
 from ds_plugins import checkpoint, experts, inputs
-from ds_plugins.config import SCHEDULES, ParmConfig
+from ds_plugins.config import ParmConfig
 from ds_plugins.groups import check_layout
 from ds_plugins.moe import ParmMoE, check_tutel
 
@@ -95,9 +95,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     except (ValueError, OSError) as e:
         error = f"ds_plugins.initialize: {e}"
     comm.agree(torch.distributed.group.WORLD, 'ds_plugins.initialize: the "parm" section', error,
-               enabled=int(parm.enabled), schedule=SCHEDULES.index(parm.schedule),
-               overlap_chunks=parm.overlap_chunks, skip_empty_slots=int(parm.skip_empty_slots),
-               debug=int(parm.debug))
+               **parm.agreed_values())
     if parm.enabled and model is not None:
         model = swap_moe_layers(model, parm, world, tp)
     out = deepspeed.initialize(args=args, model=model, optimizer=optimizer,

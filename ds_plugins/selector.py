@@ -12,7 +12,8 @@ different schedules (which would deadlock) and no forward issues a collective ou
   backward (called directly, without autograd), for the local work. The parameters are then MAX-reduced
   over the layer's MP and EP groups (the slowest rank sets a layer's pace; MAX is exact, so every rank
   holds bit-identical numbers), cached in this process per layout and, when ``cost_cache`` names a file,
-  in that JSON file (read only if every rank of the layer has it, and MAX-reduced all the same);
+  in that JSON file (ds_plugins.cost_cache: every rank reads it, and their outcomes are agreed before any
+  is used; a bad or uneven file is one warning on every rank, then the costs are measured);
 - the layer shape: the token count agreed by ds_plugins.agreement (never the local count alone), and the
   layer's configuration.
 
@@ -25,8 +26,8 @@ layer's first rank.
 
 from __future__ import annotations
 
-import json
 import os
+import warnings
 import time
 
 import torch
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from commweave import comm, cost
-from ds_plugins import cost_model, experts, reference
+from ds_plugins import agreement, cost_cache, cost_model, experts, reference
 from ds_plugins.cost_model import LayerShape, OpCosts
 from ds_plugins.dispatch import backend, combine, dispatch
 
@@ -208,27 +209,6 @@ def _from_tensor(t: torch.Tensor) -> OpCosts:
                     for i, op in enumerate(cost_model.OPS)}, overlap=min(max(v[-1], 0.0), 1.0))
 
 
-def _read_cache(path: str | None, key: str) -> OpCosts | None:
-    if path is None or not os.path.exists(path):
-        return None
-    with open(path) as f:
-        entry = json.load(f).get(key)
-    return None if entry is None else _from_tensor(torch.tensor(entry, dtype=torch.float64))
-
-
-def _write_cache(path: str, key: str, c: OpCosts) -> None:
-    """Add ``key`` to the JSON file, replaced atomically (the first ranks of several layers may write)."""
-    data = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            data = json.load(f)
-    data[key] = _to_tensor(c).tolist()
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
-
-
 def _max_over_layer(t: torch.Tensor, g) -> torch.Tensor:
     """MAX over the layer's MP then EP group: the same on every rank of the layer (ds_plugins.agreement)."""
     for group in (g.mp, g.ep):
@@ -255,16 +235,23 @@ def fitted_costs(g, cache_file: str | None = None, device: torch.device | None =
     key = layout_key(g)
     if key in _fitted:
         return _fitted[key]
-    cached = _read_cache(cache_file, key)
-    have = torch.tensor([0 if cached is None else 1], device=device)
-    if _max_over_layer(-have, g).item() < 0:                 # MIN: every rank of the layer has the file
-        params = _to_tensor(cached)
+    cached, problem = cost_cache.read(cache_file, key)
+    # Every rank's outcome agreed before any of it is used: a file that one rank cannot read, or reads
+    # differently, is the same warning on every rank of the layer, and they all measure (a rank that used
+    # the file while its peers measured would leave them waiting in the micro-benchmark's collectives).
+    message = agreement.relay(problem, (g.mp, g.ep), "parm cost_cache", entry=int(cached is not None))
+    if message is not None:
+        warnings.warn(f"parm: {message}; the file is ignored and the costs are measured on this run's "
+                      "groups", RuntimeWarning, stacklevel=2)
+        cached = None
+    if cached is not None:
+        params = torch.tensor(cached, dtype=torch.float64)
     else:
         with torch.no_grad(), _own_rng(device):
             params = _to_tensor(_Bench(g, device).measure())
     _fitted[key] = _from_tensor(_max_over_layer(params.to(device), g).cpu())
     if cache_file is not None and g.mp_rank == 0 and g.ep_rank == 0 and cached is None:
-        _write_cache(cache_file, key, _fitted[key])
+        cost_cache.write(cache_file, key, _to_tensor(_fitted[key]).tolist())
     return _fitted[key]
 
 

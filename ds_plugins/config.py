@@ -12,6 +12,7 @@ Unknown keys inside ``"parm"`` are rejected, as DeepSpeed rejects unknown keys i
 
 from __future__ import annotations
 
+import json
 import os
 import zlib
 from collections.abc import Mapping
@@ -41,6 +42,13 @@ def check_overlap_chunks(chunks: Any) -> int:
                          "(the number of pipeline chunks the all-to-all and the all-gather / reduce-scatter "
                          "are overlapped in)")
     return chunks
+
+
+def check_cost_cache_type(path: Any) -> str | None:
+    """The type rule, the same on every rank; the file system's rules are ds_plugins.cost_cache.check."""
+    if path is not None and (not isinstance(path, str) or not path):
+        raise ValueError(f"parm cost_cache={path!r} must be a file path (string) or null")
+    return path
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,9 +81,7 @@ class ParmConfig:
                 raise ValueError(f"parm {name}={getattr(self, name)!r} must be true or false")
         check_schedule(self.schedule)
         check_overlap_chunks(self.overlap_chunks)
-        if self.cost_cache is not None:
-            if not isinstance(self.cost_cache, str) or not self.cost_cache:
-                raise ValueError(f"parm cost_cache={self.cost_cache!r} must be a file path (string) or null")
+        if check_cost_cache_type(self.cost_cache) is not None:
             cost_cache.check(self.cost_cache)
         if self.timeout_s is not None:
             values.seconds(self.timeout_s, "parm timeout_s", what="the communication timeout")
@@ -103,7 +109,13 @@ class ParmConfig:
         if config is None:
             return cls()
         if isinstance(config, str | os.PathLike):
-            config = values.load_json(config, "DeepSpeed config file", top=dict)
+            try:
+                with open(config) as f:
+                    config = json.load(f)
+            except OSError as e:
+                raise ValueError(f"DeepSpeed config file {str(config)!r} cannot be read: {e.strerror}") from e
+            except json.JSONDecodeError as e:
+                raise ValueError(f"DeepSpeed config file {str(config)!r} is not valid JSON: {e}") from e
         if not isinstance(config, Mapping):
             raise ValueError("DeepSpeed config must be a dict or a JSON file path, "
                              f"got {type(config).__name__}")

@@ -28,7 +28,7 @@ from torch import nn
 from commweave import comm
 from ds_plugins import agreement, checkpoint, experts, inputs, moe_timers, selector
 from ds_plugins import cost_cache as cost_cache_file
-from ds_plugins.config import ParmConfig, check_overlap_chunks, check_schedule
+from ds_plugins.config import ParmConfig, check_cost_cache_type, check_overlap_chunks, check_schedule
 from ds_plugins.groups import ParmGroups, check_layout
 from ds_plugins.schedules import SCHEDULES
 
@@ -71,7 +71,7 @@ class ParmMoE(MoE):
         # set_deepspeed_parallelism, whose agreement makes every rank raise it (the others are the same on
         # every rank: the constructor's arguments)
         cache_error = None
-        if cost_cache is not None:
+        if check_cost_cache_type(cost_cache) is not None:
             try:
                 cost_cache_file.check(cost_cache)
             except ValueError as e:

@@ -17,9 +17,11 @@ gloo, one World for every cell). Factors and levels:
 so every level of every factor appears in 18 (3 levels) or 27 (2 levels) cells. Per cell the rows are
 DeepSpeed's installed MoE (Megatron-style tensor-parallel expert, as benchmarks.moe_layer), ParmMoE with
 the ``deepspeed`` order, S1, S2 and ``auto`` (its own layer, timed like the others), interleaved round by
-round (benchmarks.rounds), the slowest rank's wall time per round. With tp = 1 S1 and S2 are one schedule
-and ``auto`` runs it (ds_plugins.selector.choose), so those cells time S2 once and report it for all
-three. "paired": the median over rounds of DeepSpeed's time / the row's time in the same round.
+round (benchmarks.rounds), the slowest rank's wall time per round. With tp = 1 S1 and S2 are one
+schedule, so those cells time S2 once and report it for both. "auto" picks from the ``deepspeed`` order,
+S1 and S2 (ds_plugins.selector.candidates); its pick is right when its measured time is within 5% of the
+fastest of those (paired). "paired": the median over rounds of DeepSpeed's time / the row's time in the
+same round. The costs "auto" fitted for each layout are in the JSON, for comparing runs at other loads.
 
 Printed: one line per cell (times, paired ratios, auto's pick with its predicted and measured times),
 the distributions of best-Parm / DeepSpeed and auto / DeepSpeed (min, median, max), the cells where the
@@ -45,6 +47,7 @@ from benchmarks import moe_layer, rounds
 from benchmarks.moe_layer import Config
 from commweave import comm, ledger
 from commweave.world import World
+from ds_plugins import selector
 
 EXPERTS, KS, CAPACITY = (4, 8, 16), (1, 2, 4), (1.0, 1.25, 2.0)
 LAYOUTS = ((2, 2), (1, 4), (4, 1))
@@ -75,7 +78,7 @@ def quick_cells() -> list[Config]:
 
 def rows_for(cfg: Config) -> tuple[str, ...]:
     if cfg.tp == 1:
-        return ("DeepSpeed MoE", "parm deepspeed", "parm s2")
+        return ("DeepSpeed MoE", "parm deepspeed", "parm s2", "parm auto")
     return ("DeepSpeed MoE", "parm deepspeed", "parm s1", "parm s2", "parm auto")
 
 
@@ -105,6 +108,7 @@ def _rank_cell(cfg: Config, iters: int, warmup: int) -> dict:
                     "bytes": sum(v["sent"] for v in led.as_dict().values()),
                     "schedule": getattr(layer, "last_schedule", None),
                     "predicted_ms": moe_layer._predicted(cfg) if row == "parm auto" else {}}
+    out["parm auto"]["fitted"] = {key: selector._to_tensor(c).tolist() for key, c in selector._fitted.items()}
     return out
 
 
@@ -116,8 +120,8 @@ def summarize(cfg: Config, res: dict) -> dict:
     """One cell's figures from the rows' per-round times (each ratio: DeepSpeed / row, paired)."""
     ds = res["DeepSpeed MoE"]["ms"]
     ms = {s: res.get(f"parm {s}", res["parm s2"])["ms"] for s in SCHEDULES}   # tp = 1: s1 is s2
-    auto_row = res.get("parm auto", res["parm s2"])
-    pick = auto_row["schedule"] if cfg.tp > 1 else "s2"
+    auto_row = res["parm auto"]
+    pick = auto_row["schedule"]
     candidates = SCHEDULES if cfg.tp > 1 else ("deepspeed", "s2")
     best = min(candidates, key=lambda s: statistics.median(ms[s]))
     # auto's regret: its pick against the fastest schedule, paired over rounds (the load cancels)
@@ -129,7 +133,7 @@ def summarize(cfg: Config, res: dict) -> dict:
             "best": best, "best_vs_ds": _paired(ds, ms[best]),
             "auto": pick, "auto_ms": statistics.median(auto_row["ms"]), "auto_vs_ds": _paired(ds, auto_row["ms"]),
             "auto_regret": regret, "auto_hit": regret <= TIE,
-            "predicted_ms": auto_row["predicted_ms"],
+            "predicted_ms": auto_row["predicted_ms"], "fitted": auto_row["fitted"],
             "calls": {"ds": res["DeepSpeed MoE"]["calls"], "parm": best_row["calls"]},
             "bytes": {"ds": res["DeepSpeed MoE"]["bytes"], "parm": best_row["bytes"]}}
 
@@ -171,8 +175,9 @@ def report(results: list[dict], load: tuple[str, str], seconds: float) -> dict:
     print(f"\ncells where auto's pick is more than {TIE:.0%} slower than the fastest: {len(misses)}")
     for c in misses:
         p = c["predicted_ms"]
-        print(f"  {_label(c)}: auto {c['auto']} (predicted s1 {p.get('s1', 0):.1f} ms, s2 {p.get('s2', 0):.1f} "
-              f"ms), measured s1 {c['ms']['s1']:.1f} ms, s2 {c['ms']['s2']:.1f} ms: regret {c['auto_regret']:.1%}")
+        print(f"  {_label(c)}: auto {c['auto']} (predicted " + ", ".join(f"{s} {t:.1f}" for s, t in p.items())
+              + " ms), measured " + ", ".join(f"{s} {t:.1f}" for s, t in c["ms"].items())
+              + f" ms, fastest {c['best']}: regret {c['auto_regret']:.1%}")
     summary = {"cells": len(results), "best_parm_vs_ds": [min(best), statistics.median(best), max(best)],
                "auto_vs_ds": [min(auto), statistics.median(auto), max(auto)],
                "auto_hits": hits, "auto_hit_rate": hits / len(results), "auto_hits_mp": mp_hits,
@@ -188,15 +193,17 @@ def _label(c: dict) -> str:
             f"M{g['hidden']}/{g['ffn']} S{g['tokens']}")
 
 
-HEADER = (f"{'cell':<46}{'DS ms':>8}{'ds-ord':>7}{'s1':>6}{'s2':>6}{'best':>6}{'auto':>5}{'x':>6}"
-          f"{'pred s1':>9}{'pred s2':>9}  hit")
+HEADER = (f"{'cell':<46}{'DS ms':>8}{'ds-ord':>7}{'s1':>6}{'s2':>6}{'best':>6}{'auto':>10}{'x':>6}"
+          f"{'pred ds':>8}{'pred s1':>8}{'pred s2':>8}{'meas ds':>8}{'meas s1':>8}{'meas s2':>8}  hit")
 
 
 def _line(c: dict) -> str:
     v, p = c["vs_ds"], c["predicted_ms"]
+    m = c["ms"]
     return (f"{_label(c):<46}{c['ds_ms']:>8.1f}{v['deepspeed']:>7.2f}{v['s1']:>6.2f}{v['s2']:>6.2f}"
-            f"{c['best_vs_ds']:>6.2f}{c['auto']:>5}{c['auto_vs_ds']:>6.2f}{p.get('s1', 0):>9.1f}"
-            f"{p.get('s2', 0):>9.1f}  {'yes' if c['auto_hit'] else 'NO'}")
+            f"{c['best_vs_ds']:>6.2f}{c['auto']:>10}{c['auto_vs_ds']:>6.2f}{p.get('deepspeed', 0):>8.1f}"
+            f"{p.get('s1', 0):>8.1f}{p.get('s2', 0):>8.1f}{m['deepspeed']:>8.1f}{m['s1']:>8.1f}{m['s2']:>8.1f}"
+            f"  {'yes' if c['auto_hit'] else 'NO'}")
 
 
 def _load() -> str:

@@ -255,9 +255,20 @@ def fitted_costs(g, cache_file: str | None = None, device: torch.device | None =
     return _fitted[key]
 
 
+def candidates(g) -> tuple[str, ...]:
+    """The schedules "auto" chooses from: every schedule computes the same function (ds_plugins.schedules),
+    so the choice is only speed. Without MP, S1 and S2 are one schedule; without MP and EP every schedule
+    is local work alone. The ``deepspeed`` order is a candidate too: it exchanges in one piece, and on the
+    issue-23 sweep it was the fastest Parm schedule in 23 of 54 cells (small layers, where the chunked
+    exchanges' extra latencies outweigh their overlap)."""
+    if g.mp_size > 1:
+        return ("deepspeed", "s1", "s2")
+    return ("deepspeed", "s2") if g.ep_size > 1 else ("s2",)
+
+
 def fit(layer) -> None:
-    """Fit the layer's layout at set-up (nothing to fit without MP: then S1 and S2 are one schedule)."""
-    if layer.parm_groups.mp_size > 1:
+    """Fit the layer's layout at set-up (nothing to fit when there is one candidate)."""
+    if len(candidates(layer.parm_groups)) > 1:
         fitted_costs(layer.parm_groups, layer.cost_cache, layer.gate.wg.weight.device)
 
 
@@ -273,27 +284,28 @@ def layer_shape(layer, tokens: int, dtype: torch.dtype) -> LayerShape:
 
 
 def choose(layer, tokens: int, dtype: torch.dtype) -> str:
-    """"s1" or "s2" for this layer and ``tokens`` agreed over its ranks (ds_plugins.agreement).
+    """The schedule (:func:`candidates`) for this layer and ``tokens`` agreed over its ranks
+    (ds_plugins.agreement) with the least predicted forward + backward time.
 
     A pure function of that agreed count, the layer's configuration and the costs fitted at set-up, so it
     is the same on every rank of the layer and issues no collective (unless the layer was switched to
     "auto" after its set-up: then the first call fits, on the layer's own groups).
     """
     g = layer.parm_groups
-    if g.mp_size == 1:
-        return "s2"  # without MP, S1 and S2 are the same schedule
+    options = candidates(g)
+    if len(options) == 1:
+        return options[0]
     sh = layer_shape(layer, tokens, dtype)
     key = (layout_key(g), sh)
     if key not in _decisions:
         costs = fitted_costs(g, layer.cost_cache, layer.gate.wg.weight.device)
-        t = {s: cost_model.predict(s, sh, costs).total for s in ("s1", "s2")}
+        t = {s: cost_model.predict(s, sh, costs).total for s in options}
         choice = min(t, key=t.get)
         _decisions[key] = {"choice": choice, "predicted_s": t}
         if g.mp_rank == 0 and g.ep_rank == 0:
             print(f"[parm] auto: {choice} for tokens={tokens} M={sh.hidden} H={sh.ffn} E={sh.experts} "
-                  f"k={sh.k} "
-                  f"cf={sh.capacity_factor} mp={sh.mp} esp={sh.esp} ep={sh.ep}: predicted forward+backward "
-                  f"s1 {t['s1'] * 1e3:.2f} ms, s2 {t['s2'] * 1e3:.2f} ms", flush=True)
+                  f"k={sh.k} cf={sh.capacity_factor} mp={sh.mp} esp={sh.esp} ep={sh.ep}: predicted "
+                  "forward+backward " + ", ".join(f"{s} {v * 1e3:.2f} ms" for s, v in t.items()), flush=True)
     return _decisions[key]["choice"]
 
 

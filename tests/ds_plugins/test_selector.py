@@ -19,6 +19,7 @@ def _auto(cache_file: str):
     use_layout(2, 2)
     selector._fitted.clear()
     selector._decisions.clear()
+    torch.manual_seed(1)   # the same gate and experts on every rank, as an engine's broadcast gives them
     layer = ParmMoE(M, mlp(M, H), num_experts=E, ep_size=2, k=2, capacity_factor=1.25, min_capacity=0,
                     enable_expert_tensor_parallelism=True, cost_cache=cache_file)
     layer.set_deepspeed_parallelism()
@@ -39,7 +40,7 @@ def _auto(cache_file: str):
 @pytest.mark.world_size(4)
 def test_auto_fits_once_agrees_on_every_rank_and_caches(world, tmp_path):
     res = world.run(_auto, str(tmp_path / "costs.json"))
-    assert res[0]["choice"] in ("s1", "s2")
+    assert res[0]["choice"] in ("deepspeed", "s1", "s2")   # selector.candidates with MP 2
     for r in res:
         assert r["choice"] == r["again"] == res[0]["choice"] and r["decisions"] == 1
         assert r["fitted"] == res[0]["fitted"]                    # averaged over the world
@@ -66,6 +67,7 @@ def _agreed_and_local(rank_tokens: list[int]) -> dict:
     use_layout(2, 2)
     selector._fitted.clear()
     selector._decisions.clear()
+    torch.manual_seed(1)   # the same gate and experts on every rank, as an engine's broadcast gives them
     layer = ParmMoE(M, mlp(M, H), num_experts=E, ep_size=2, k=2, capacity_factor=1.25, min_capacity=0,
                     drop_tokens=False, enable_expert_tensor_parallelism=True, schedule="s2")
     layer.set_deepspeed_parallelism()

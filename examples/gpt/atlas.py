@@ -1,7 +1,7 @@
 """The main job's ``--atlas`` rows: the MoE model as a 2-stage pipeline across two emulated data centers,
 started by ``deepspeed-atlas`` (``python -m launch``) once with DeepSpeed's own pipeline sends and once
-with ATLAS's multi-TCP striping (spatial sharing: temporal sharing never paid in the calibration matrix,
-benchmarks/atlas_calibration.py).
+with ATLAS's multi-TCP striping (spatial sharing: temporal sharing did not pay reliably in the
+calibration matrix, benchmarks/atlas_calibration.py).
 
 Two network namespaces are the two data centers' hosts (2 ranks each), joined by launch.net.wanemu's WAN:
 a user-space delay line for the round trip and a ``tbf`` rate limit; TCP buffers inside the namespaces

@@ -7,8 +7,10 @@
 - :mod:`.service`   the service itself: a SCHED_IDLE process holding the queue, model, cost model, packer
 - :mod:`.engine`    the DeepSpeed PipelineEngine extension (``enable(engine, server)``)
 - :mod:`.simulate`  BubbleTea in the what-if simulator (``python -m launch.plan TOPOLOGY --bubbletea``)
+- :mod:`.hf`        Hugging Face causal LMs from a local directory; results carry a ``DynamicCache``
 
-The engine extension imports DeepSpeed; import it as ``launch.bubbletea.engine`` where DeepSpeed exists.
+The engine extension imports DeepSpeed; import it as ``launch.bubbletea.engine`` where DeepSpeed exists,
+and ``launch.bubbletea.hf`` where ``transformers`` is (``pip install commweave[bubbletea]``).
 """
 
 from launch.bubbletea.model import CausalLM, KVCache, LMConfig

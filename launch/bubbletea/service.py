@@ -80,7 +80,8 @@ class Service:
     def __init__(self, out: Connection, window: memoryview, setup: dict) -> None:
         self.out, self.window = out, window
         self.cfg: LMConfig = setup["config"]
-        self.model = CausalLM(self.cfg)
+        build = getattr(self.cfg, "build", None)      # a config that loads its own model (hf.HFConfig)
+        self.model = build() if build is not None else CausalLM(self.cfg)
         if setup.get("state_dict") is not None:
             self.model.load_state_dict(setup["state_dict"])
         self.chunk_tokens, self.guard = setup["chunk_tokens"], setup["guard"]

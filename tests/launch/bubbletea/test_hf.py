@@ -125,3 +125,13 @@ def test_bad_models_and_settings_are_refused(saved, tmp_path):
     model = HFModel(cfg)
     with pytest.raises(ValueError, match="chunk of 17 tokens at position 0: the cache holds 16"):
         model.prefill_chunk(_prompt(17, 0), KVCache.empty(cfg, 16))
+
+
+def test_the_endpoint_serves_a_dynamic_cache_as_the_kv_cache_it_came_from(saved):
+    pytest.importorskip("aiohttp")
+    from launch.bubbletea.endpoint import cache_tensors
+
+    model = HFModel(HFConfig.load(saved["llama"][0]))
+    cache, _ = model.prefill(_prompt(9, 3), 4)
+    k, v = cache_tensors(to_dynamic_cache(cache))
+    assert torch.equal(k, cache.k) and torch.equal(v, cache.v) and k.shape == (2, 2, 9, 8)

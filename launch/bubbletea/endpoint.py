@@ -20,7 +20,8 @@ The API (JSON in and out; every error is ``{"error": reason}`` with the status b
   504: not prefilled within ``timeout`` (it stays queued: poll it).
 - ``GET /v1/requests/ID``: 200 as above when done, 202 ``{"state": "queued" | "waiting"}``, 503 with
   the reason for a refused request, 404 for an unknown one.
-- ``GET /v1/cache/ID``: the KV cache as safetensors (``k``, ``v``: float32 ``[L, H, T, Dh]``;
+- ``GET /v1/cache/ID``: the KV cache as safetensors (``k``, ``v``: float32 ``[L, H, T, Dh]``, and the last
+  prompt token's ``logits`` [V];
   :func:`load_cache` reads it, :func:`launch.bubbletea.hf.to_dynamic_cache` makes it a DynamicCache);
   ``DELETE`` frees it. The ``keep`` most recent caches are kept.
 - ``GET /v1/health``: queue depth, limits, per rank: alive, outstanding, served.
@@ -189,13 +190,23 @@ class Endpoint:
     def _lost(self, rank: int, why: str) -> None:
         """Rank's service is gone (lock held): re-queue what it held, or refuse with the reason."""
         for req in [q for q in self._live.values() if q.state == "queued" and q.rank == rank]:
-            req.attempts += 1
-            self.counters["requeued"] += 1
-            if req.attempts >= self.attempts:
-                self._refuse(req, f"the prefill services holding it stopped {req.attempts} times "
-                                  f"(rank {rank}'s service {why}; Endpoint(attempts={self.attempts}))")
-            elif not self._dispatch(req):
-                self._waiting.append(req)
+            self._requeue(req, f"rank {rank}'s service {why}")
+
+    def _requeue(self, req: _Request, why: str) -> None:
+        req.attempts += 1
+        self.counters["requeued"] += 1
+        if req.attempts >= self.attempts:
+            self._refuse(req, f"the prefill services holding it stopped {req.attempts} times "
+                              f"(last: {why}; Endpoint(attempts={self.attempts}))")
+        elif not self._dispatch(req):
+            self._waiting.append(req)
+
+    def lost(self, request: str, why: str) -> None:
+        """A service cannot deliver ``request`` after all (a remote rank refused it): re-queue it."""
+        with self._lock:
+            req = self._live.get(request)
+            if req is not None and req.state == "queued":
+                self._requeue(req, why)
 
     def _refuse(self, req: _Request, reason: str) -> None:
         req.state, req.reason = "refused", reason
@@ -224,7 +235,7 @@ class Endpoint:
                           "ttft_s": round(time.monotonic() - req.arrived, 6), "cache": f"/v1/cache/{req.id}"}
             self.counters["served"] += 1
             self._served[req.rank] = self._served.get(req.rank, 0) + 1
-            self._caches[req.id] = (k, v, result.first_token)
+            self._caches[req.id] = (k, v, result.logits.float(), result.first_token)
             while len(self._caches) > self.keep:
                 self._caches.popitem(last=False)
             self._finish(req)
@@ -305,8 +316,9 @@ class Endpoint:
                                f"older than the {self.keep} kept (Endpoint(keep=...))")
         if request.method == "DELETE":
             return web.json_response({"id": rid, "deleted": True})
-        k, v, first = entry
-        data = st_save({"k": k, "v": v}, metadata={"first_token": str(first), "layout": "[L, H, T, Dh]"})
+        k, v, logits, first = entry
+        data = st_save({"k": k, "v": v, "logits": logits},
+                       metadata={"first_token": str(first), "layout": "k, v: [L, H, T, Dh]; logits: [V]"})
         return web.Response(body=data, content_type="application/octet-stream")
 
     async def _health(self, request: web.Request) -> web.Response:

@@ -18,6 +18,7 @@ import aiohttp
 
 from launch.bubbletea.endpoint import Endpoint, cache_tensors, load_cache, parse
 from launch.bubbletea.model import CausalLM, LMConfig
+from launch.bubbletea.remote import RemoteRank
 from launch.bubbletea.server import PrefillServer
 from launch.bubbletea.timeline import Window
 
@@ -181,6 +182,43 @@ def test_a_full_queue_says_so_and_waiting_requests_are_refused_with_a_reason():
     assert health[1]["queued"] == 2 and health[1]["waiting"] == 2 and health[1]["full"] == 1
     assert refused[0] == 503 and refused[1]["error"] == (
         "request 'w0' refused: no prefill service was attached for 0.5 s (Endpoint(orphan_timeout=0.5))")
+
+
+def test_another_rank_serves_through_the_first_ranks_endpoint(served):
+    """The first rank's endpoint has no service of its own; rank 1's endpoint (the module's) serves."""
+    rank1, _, _ = served
+    first = Endpoint(CFG, poll=0.05, orphan_timeout=1.0)
+    first.attach(RemoteRank(rank1.url, CFG, first, poll=0.02), rank=1)
+    first.start()
+    prompts = {f"m{i}": _prompt(4 + 9 * i, 50 + i) for i in range(4)}
+    try:
+        async def go(session):
+            url = f"{first.url}/v1/prefill"
+            answers = await asyncio.gather(*(_call(session, "POST", url, json={"id": rid, "tokens": p})
+                                             for rid, p in prompts.items()))
+            return answers, await _call(session, "GET", f"{first.url}/v1/cache/m3")
+
+        answers, cache = _run(go)
+    finally:
+        first.stop()
+    for (status, body, _), p in zip(answers, prompts.values(), strict=True):
+        assert (status, body["rank"]) == (200, 1)
+        assert body["first_token"] == int(MODEL.prefill(torch.tensor(p))[1].argmax())
+    got, (want, _) = load_cache(cache[1]), MODEL.prefill(torch.tensor(prompts["m3"]))
+    assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+
+
+def test_an_unreachable_rank_is_declared_dead_and_its_requests_refused_with_a_reason():
+    endpoint = Endpoint(CFG, poll=0.05, orphan_timeout=0.5)
+    endpoint.attach(RemoteRank("http://127.0.0.1:1", CFG, endpoint, poll=0.02, timeout=0.2), rank=1)
+    endpoint.start()
+    try:
+        status, body, _ = _run(_call, "POST", f"{endpoint.url}/v1/prefill", json={"id": "u", "tokens": [1]})
+    finally:
+        endpoint.stop()
+    assert status == 503 and body["error"] == (
+        "request 'u' refused: no prefill service was attached for 0.5 s (Endpoint(orphan_timeout=0.5))")
+    assert endpoint.counters["requeued"] == 1
 
 
 @pytest.mark.slow

@@ -368,6 +368,8 @@ class Endpoint:
         watcher = loop.create_task(self._watch())
         started.set()
         loop.run_forever()
+        with self._lock:             # no result may schedule on a closed loop (it would fail the service)
+            self._loop = None
         watcher.cancel()
         loop.run_until_complete(runner.cleanup())
         loop.close()
@@ -378,7 +380,7 @@ class Endpoint:
             return
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(30)
-        self._thread, self._loop = None, None
+        self._thread = None
 
 
 def _error(status: int, reason: str, headers: dict | None = None) -> web.Response:

@@ -130,9 +130,11 @@ def load_cache(data: bytes) -> KVCache:
 
 class Endpoint:
     def __init__(self, config, max_queue: int = 64, timeout: float = 60.0, keep: int = 256,
-                 attempts: int = 3, orphan_timeout: float = 30.0, poll: float = 0.1) -> None:
+                 attempts: int = 3, orphan_timeout: float = 600.0, poll: float = 0.1) -> None:
         """``config``: the model every attached service runs (LMConfig or HFConfig); ``max_queue``:
-        requests not yet prefilled; ``timeout``: how long a waiting POST waits; ``keep``: caches kept."""
+        requests not yet prefilled; ``timeout``: how long a waiting POST waits; ``keep``: caches kept;
+        ``orphan_timeout``: how long a request waits for a service (a rank's restart: a process start, a
+        model load, the training job's own recovery, minutes)."""
         for name, v in (("max_queue", max_queue), ("keep", keep), ("attempts", attempts)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Endpoint: {name}={v!r} must be an integer >= 1")

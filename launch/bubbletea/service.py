@@ -65,6 +65,9 @@ def fit_cost(model: CausalLM, chunk_tokens: int, repeats: int = 3) -> tuple[floa
             samples = []
             for _ in range(repeats + 1):                      # the first run warms the kernels
                 cache = KVCache.empty(cfg, cap)
+                # at the cache's end: CausalLM attends to the whole capacity wherever a chunk is, a model
+                # that attends to the filled prefix only (hf.HFModel) shows its c·T term only there
+                cache.length = cap - size
                 t0 = time.perf_counter()
                 model.prefill_chunk(tokens, cache)
                 samples.append(time.perf_counter() - t0)

@@ -9,7 +9,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from launch.bubbletea.hf import HFConfig, HFModel, HFPrefillServer, to_dynamic_cache  # noqa: E402
+from launch.bubbletea.hf import (  # noqa: E402
+    HFConfig,
+    HFModel,
+    HFPrefillServer,
+    cache_argument,
+    to_dynamic_cache,
+)
 from launch.bubbletea.model import KVCache  # noqa: E402
 from launch.bubbletea.timeline import Window  # noqa: E402
 
@@ -52,7 +58,7 @@ def _generate(model, ids, **kwargs):
 def _continued(model, prompt, first_token, cache):
     """The decoder's side of the hand-off: the prompt and the first token in, the prompt's cache given."""
     ids = torch.cat([prompt, torch.tensor([first_token])])
-    return _generate(model, ids, past_key_values=cache, max_new_tokens=NEW - 1)
+    return _generate(model, ids, max_new_tokens=NEW - 1, **{cache_argument(model): cache})
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -65,8 +71,8 @@ def test_chunked_prefill_continues_like_generate_from_scratch(saved, family):
     assert len(set(scratch[23:].tolist())) > 2            # a continuation worth comparing
     with torch.inference_mode():
         full = transformers.DynamicCache()
-        decoder(input_ids=prompt[None], past_key_values=full, use_cache=True)
-    for chunk in (1, 5, 8, 23):                            # 5 and 8 do not divide 23
+        decoder(input_ids=prompt[None], use_cache=True, **{cache_argument(decoder): full})
+    for chunk in (1, 5, 23):                               # 5 does not divide 23 (nor the service's 7)
         cache, logits = model.prefill(prompt, chunk)
         assert cache.length == 23 and cache.k.shape == (cfg.layers, cfg.heads, 23, cfg.hidden // cfg.heads)
         for i, layer in enumerate(full.layers):            # float32 rounding only (module docstring)

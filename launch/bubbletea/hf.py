@@ -32,8 +32,8 @@ is not a prefix of keys and values, so a KVCache cannot hold it.
 **The cost model.** The service fits ``a + b·c + e·c·T`` by timing chunks of c tokens at the end of
 caches of T tokens. A Hugging Face chunk attends only to what is filled (its cost grows with its end,
 not with T), so the fit is exact for a request's last chunk and an upper bound for the earlier ones:
-the packer leaves them room to spare, never too little. (Timed into empty caches, as before, ``e`` came
-out 0 and a chunk ending at 1024 of a 1024-token prompt took 1.7x its prediction: the README.)
+the packer leaves them room to spare, never too little. (Timed into empty caches, ``e`` came out 0 and
+late chunks ran over their predictions: see the README.)
 """
 
 from __future__ import annotations

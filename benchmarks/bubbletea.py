@@ -44,6 +44,8 @@ import time
 
 from commweave.world import World
 
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def _median(xs):
     return statistics.median(xs) if xs else float("nan")
@@ -64,6 +66,17 @@ def core_shares(cpus: list[int], ranks: int) -> list[list[int]]:
     return [cpus[r * k:(r + 1) * k] for r in range(ranks)]
 
 
+class Collect:
+    """A later stage's callback (pipelined): its results, nothing submitted (prompts enter at stage 0)."""
+
+    def __init__(self) -> None:
+        self.results = []
+
+    def __call__(self, result) -> None:
+        result.cache = None
+        self.results.append(result)
+
+
 def bench_rank(cfg: dict) -> dict:
     """One rank's part: build, warm up, run the cycles and the steady phase, return its measurements."""
     import torch
@@ -78,11 +91,30 @@ def bench_rank(cfg: dict) -> dict:
     if cfg["cores"]:
         _each_thread(lambda tid: os.sched_setaffinity(tid, cfg["cores"][dist.get_rank()]))
     engine = build_engine(cfg["hidden"], cfg["layers"], cfg["micro_batches"], cfg["batch"])
-    wan = emulate_wan_latency(cfg["wan_ms"] / 1e3)
+    if cfg["atlas"]:               # ATLAS's multi-TCP temporal p2p over the namespaces' emulated WAN
+        from launch.run.runtime import enable_deepspeed
+
+        wan = enable_deepspeed(atlas_plan(cfg), ifname=cfg["ifname"])
+    else:
+        wan = emulate_wan_latency(cfg["wan_ms"] / 1e3)
     lm = LMConfig(hidden=cfg["lm_hidden"], layers=cfg["lm_layers"], max_seq=cfg["prompt"])
-    server = PrefillServer(lm, cfg["chunk"], callback=lambda r: loop(r), guard=cfg["guard_ms"] / 1e3,
-                           nice=cfg["prefill_nice"], idle=cfg["prefill_idle"])
-    loop = ClosedLoop(server, cfg["outstanding"], cfg["prompt"], first_id=dist.get_rank() * 10**6)
+    stage, stages = engine.stage_id, engine.num_stages
+    pipeline, spec = None, lm
+    if cfg["pipelined"]:           # the inference model's layers split over the training stages
+        from launch.bubbletea.pipelined import pipeline_setup, shared_key, split
+
+        spec = split(lm, stages)[stage]
+        pipeline = pipeline_setup(stage, stages, "127.0.0.1", shared_key(dist.group.WORLD))
+    server = PrefillServer(spec, cfg["chunk"], callback=lambda r: loop(r), guard=cfg["guard_ms"] / 1e3,
+                           nice=cfg["prefill_nice"], idle=cfg["prefill_idle"], pipeline=pipeline)
+    if cfg["pipelined"]:
+        from launch.bubbletea.pipelined import link_stages
+
+        link_stages(server, dist.group.WORLD)
+    # pipelined, prompts enter at the first stage and finish (first token) at the last
+    feeds, last = not cfg["pipelined"] or stage == 0, not cfg["pipelined"] or stage == stages - 1
+    loop = (ClosedLoop(server, cfg["outstanding"], cfg["prompt"], first_id=dist.get_rank() * 10**6) if feeds
+            else Collect())
     if cfg["nice"]:
         _each_thread(lambda tid: os.setpriority(os.PRIO_PROCESS, tid, cfg["nice"]))
     bt = enable(engine, server, warmup=0, reprofile_every=0, history=cfg["history"])
@@ -103,6 +135,8 @@ def bench_rank(cfg: dict) -> dict:
 
     for _ in range(cfg["warmup"]):
         run("profile")
+    if cfg["windows"] != "measured":
+        bt.plan, bt.windows_from = simulated_windows(cfg, bt, engine), cfg["windows"]
     orders = list(itertools.permutations(("stock", "on", "profile")))
     walls = {a: [] for a in orders[0]}
     for i in range(cfg["pairs"]):
@@ -122,7 +156,7 @@ def bench_rank(cfg: dict) -> dict:
     on = [it for it in its if it.prefill_on]
     off = [it for it in its if not it.prefill_on][cfg["warmup"]:]
     out = {
-        "rank": dist.get_rank(),
+        "rank": dist.get_rank(), "last": last,
         "stock": walls["stock"], "on": walls["on"][:cfg["pairs"]], "profile": walls["profile"],
         "util_off": _median([it.utilisation for it in off]),
         "util_on": _median([it.utilisation for it in on]),
@@ -131,9 +165,11 @@ def bench_rank(cfg: dict) -> dict:
         "wall_on": sum(it.wall for it in on),
         "windows": [(w.tag, round(w.length * 1e3, 2)) for w in bt.windows()],
         "steady_s": steady_s, "steady_iterations": n,
-        "ttft": [r.ttft for r in list(loop.results) if r.submitted >= t_steady],
+        "ttft": [r.ttft for r in list(loop.results) if r.submitted >= t_steady] if last else [],
         "prefilled": len(loop.results), "tokens": server.stats.tokens, "chunks": server.stats.chunks,
         "skipped": server.stats.skipped, "closed": server.stats.closed,
+        "counters": {k: v for k, v in server.counters().items() if k != "memory"},
+        "memory": server.memory, "starved": bt.starved, "window_report": bt.window_report(),
     }
     out["tokens_per_s"] = server.stats.tokens / max(sum(it.wall for it in on), 1e-9)
     bt.undo()
@@ -141,6 +177,50 @@ def bench_rank(cfg: dict) -> dict:
     wan.undo()
     torch.distributed.barrier()
     return out
+
+
+def atlas_plan(cfg: dict):
+    """ATLAS's plan for the 2-stage pipeline over the two namespaces (data centers "a" and "b")."""
+    from launch.plan import topology
+    from launch.plan.estimate import ModelSpec
+    from launch.plan.placement import make_plan
+
+    raw = {"datacenters": {dc: {"hosts": [{"name": f"{dc}0", "slots": 1}], "ifname": cfg["ifnames"][dc]}
+                           for dc in "ab"},
+           "wan": [{"between": ["a", "b"], "rtt_ms": 2 * cfg["wan_ms"],
+                    "bandwidth_gbps": cfg["rate_mbit"] / 1e3}]}
+    model = ModelSpec(layers=2 * cfg["layers"], hidden=cfg["hidden"], seq=8,
+                      global_batch=cfg["batch"] * cfg["micro_batches"], pp=2, tp=1, dp=1)
+    return make_plan(topology.parse(raw, source="bubbletea-bench"), model, cfg["connections"], "temporal")
+
+
+def simulated_windows(cfg: dict, bt, engine) -> list:
+    """This rank's windows from ATLAS's simulator: the pipeline as a :class:`launch.plan.simulate.Job`
+    whose forward and backward times are the warm-up's (medians, gathered from every rank) and whose
+    boundary is the WAN (latency one way, the link's rate), simulated, its gaps mapped onto the rank's
+    wait instructions (:func:`launch.bubbletea.windows.plan_windows`)."""
+    import torch
+    import torch.distributed as dist
+
+    from commweave import comm
+    from launch.bubbletea.windows import instruction_names, plan_windows
+    from launch.plan.simulate import Job, Route, simulate
+
+    its = list(bt.iterations)[-cfg["warmup"]:]       # ops are per micro-batch: a median is t_f, t_b
+    mine = torch.tensor([_median([op.end - op.start for it in its for op in it.ops if op.kind == kind])
+                         for kind in ("ForwardPass", "BackwardPass")], dtype=torch.float64)
+    every = torch.zeros(dist.get_world_size() * 2, dtype=torch.float64)
+    comm.all_gather(every, mine, dist.group.WORLD)
+    S, D, M = engine.num_stages, dist.get_world_size() // engine.num_stages, engine.micro_batches
+    per = every.view(S, D, 2)            # rank = stage · D + replica (PipeDataParallelTopology)
+    rate = cfg["rate_mbit"] * 1e6 / 8 if cfg["atlas"] else float("inf")
+    routes = (tuple(Route(cfg["wan_ms"] / 1e3, rate) for _ in range(D)),)
+    job = Job(tuple(tuple(float(per[s, d, 0]) for d in range(D)) for s in range(S)),
+              tuple(tuple(float(per[s, d, 1]) for d in range(D)) for s in range(S)),
+              routes, act_bytes=4.0 * cfg["batch"] * cfg["hidden"], micro_batches=M)
+    result = simulate(job)
+    return plan_windows(result.ops, result.iteration, (engine.stage_id, engine.grid.get_data_parallel_id()),
+                        instruction_names(M, S, engine.stage_id), lane=dist.get_rank())
 
 
 def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> dict:
@@ -152,7 +232,8 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
     stock, on, prof = _median(r0["stock"]), _median(r0["on"]), _median(r0["profile"])
     util_off = statistics.mean(r["util_off"] for r in ranks)
     util_on = statistics.mean(r["util_on"] for r in ranks)
-    tok_s = sum(r["tokens_per_s"] for r in ranks)
+    # pipelined, each stage runs every token: the prefill done is the last stage's
+    tok_s = sum(r["tokens_per_s"] for r in ranks if not cfg["pipelined"] or r["last"])
     ttft = sorted(t for r in ranks for t in r["ttft"])
     p90 = ttft[int(0.9 * (len(ttft) - 1))] if ttft else float("nan")
     binding = (f"each bound to its own {len(cfg['cores'][0])} core(s) with its prefill service"
@@ -185,7 +266,10 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
         f"{r['chunks']} chunks "
         f"(planned, not started: {r['skipped']} too long for the rest of their window, {r['closed']} after "
         f"an early close), windows (instr, ms) {r['windows']}" for r in ranks))
-    summary = {"ranks": len(ranks), "bound": bool(cfg["cores"]),
+    per_rank = rank_table(cfg, ranks)
+    summary = {"ranks": len(ranks), "bound": bool(cfg["cores"]), "atlas": cfg["atlas"],
+               "pipelined": cfg["pipelined"], "windows": cfg["windows"], "per_rank": per_rank,
+               "starved_ranks": [r["rank"] for r in per_rank if r["starved"]],
                "slowdown": _median(ratios) - 1, "slowdown_per_rank": [x - 1 for x in per_rank_ratio],
                "tracing_overhead": _median(control) - 1,
                "step_s_stock": stock, "step_s_bubbletea": on, "step_s_tracing": prof,
@@ -193,6 +277,45 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
                "ttft_median_s": _median(ttft), "ttft_p90_s": p90, "load": [load_before, load_after]}
     print(json.dumps(summary))
     return summary
+
+
+def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
+    """Per rank: its service's counters, its share of the prefill, its slowdown, plan vs measurement;
+    prints the table and a warning for a starved rank (a share under half the even share, or no chunk)."""
+    # pipelined, every stage runs every token: a stage's share is of the stage that ran the most
+    tokens = max(r["tokens"] for r in ranks) if cfg["pipelined"] else sum(r["tokens"] for r in ranks)
+    even = 1.0 if cfg["pipelined"] else 1.0 / len(ranks)
+    rows = []
+    for r in ranks:
+        c, w = r["counters"], r["window_report"]
+        share = r["tokens"] / tokens if tokens else 0.0
+        rows.append({"rank": r["rank"], "chunks": r["chunks"], "tokens": r["tokens"], "share": share,
+                     "prompts": r["prefilled"], "queue": c["queue"], "queue_peak": c["queue_peak"],
+                     "ttft_median_s": _median(r["ttft"]) if r["ttft"] else None,
+                     "tokens_per_s": r["tokens_per_s"],
+                     "slowdown": _median([a / b for a, b in zip(r["on"], r["stock"], strict=True)]) - 1,
+                     "plan_vs_measured": w["median_rel_diff"], "plan_s": w["plan_s"],
+                     "measured_s": w["measured_s"],
+                     "recalibrated": c["recalibrated"], "kv_cap": r["memory"].get("cap"),
+                     "kv_peak": r["memory"].get("kv_peak"),
+                     "starved": r["chunks"] == 0 or share < 0.5 * even})
+    print()
+    print(f"| rank | chunks | tokens (share) | prompts | queue end / peak | TTFT median | prefill tokens/s | "
+          f"slowdown | windows ({cfg['windows']}): plan / measured, median diff | KV peak / cap |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for x in rows:
+        diff = "-" if x["plan_vs_measured"] is None else f"{100 * x['plan_vs_measured']:+.0f}%"
+        ttft = "-" if x["ttft_median_s"] is None else f"{x['ttft_median_s']:.3f} s"
+        print(f"| {x['rank']} | {x['chunks']} | {x['tokens']} ({100 * x['share']:.0f}%) | {x['prompts']} | "
+              f"{x['queue']} / {x['queue_peak']} | {ttft} | {x['tokens_per_s']:,.0f} | "
+              f"{100 * x['slowdown']:+.2f}% | {1e3 * x['plan_s']:.1f} / {1e3 * x['measured_s']:.1f} ms, "
+              f"{diff} | "
+              f"{(x['kv_peak'] or 0) / 2**20:.1f} / {(x['kv_cap'] or 0) / 2**30:.1f} GiB |")
+    for x in rows:
+        if x["starved"]:
+            print(f"WARNING: rank {x['rank']}'s prefill service is starved: {x['chunks']} chunks, "
+                  f"{100 * x['share']:.0f}% of the prefilled tokens (even share {100 * even:.0f}%)")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -221,19 +344,38 @@ def main(argv: list[str] | None = None) -> None:
                     help="data-parallel replicas of the 2-stage pipeline (default: 2 with 4+ cores, else 1)")
     ap.add_argument("--bind", choices=("auto", "on", "off"), default="auto",
                     help="each rank and its prefill service on its own cores (auto: when there are enough)")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="split the inference model's layers over the 2 stages (rows between them on "
+                         "loopback)")
+    ap.add_argument("--windows", choices=("measured", "plan", "both"), default="measured",
+                    help="where the windows come from: measurement, ATLAS's simulated schedule, or both")
+    ap.add_argument("--atlas", action="store_true",
+                    help="the 2 ranks in 2 network namespaces joined by launch.net.wanemu (RTT 2 x --wan-ms, "
+                         "--rate-mbit), pipeline p2p by ATLAS's multi-TCP temporal sharing (needs root)")
+    ap.add_argument("--rate-mbit", type=float, default=800.0, help="--atlas: the emulated WAN's rate")
+    ap.add_argument("--connections", type=int, default=4, help="--atlas: TCP connections per WAN transfer")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--pairs", type=int, default=12)
     ap.add_argument("--steady", type=int, default=12)
     args = ap.parse_args(argv)
-    cfg = {k: v for k, v in vars(args).items()}
+    if args.worker is not None:
+        return worker(json.loads(args.worker))
+    cfg = {k: v for k, v in vars(args).items() if k != "worker"}
     for k in ("pairs", "warmup", "steady", "outstanding", "history"):
         if cfg[k] < (1 if k in ("pairs", "history") else 0):
             raise SystemExit(f"--{k.replace('_', '-')}={cfg[k]} is too small")
+    if cfg["windows"] != "measured" and cfg["warmup"] < 1:
+        raise SystemExit(f"--windows {cfg['windows']} needs --warmup >= 1 (the simulated plan's compute "
+                         "times)")
     cpus = sorted(os.sched_getaffinity(0))
     if cfg["replicas"] is None:
-        cfg["replicas"] = 2 if len(cpus) >= 4 else 1
-    if cfg["replicas"] < 1:
-        raise SystemExit(f"--replicas={cfg['replicas']} is too small")
+        cfg["replicas"] = 2 if len(cpus) >= 4 and not cfg["atlas"] else 1
+    if cfg["replicas"] < 1 or (cfg["atlas"] and cfg["replicas"] != 1):
+        raise SystemExit(f"--replicas={cfg['replicas']}: at least 1 (exactly 1 with --atlas: two namespaces)")
+    if cfg["atlas"] and cfg["pipelined"]:
+        raise SystemExit("--atlas with --pipelined: the inference pipeline stays inside one data center, and "
+                         "--atlas puts the two stages in two")
     n = 2 * cfg["replicas"]
     bind, cfg["cpus"], cfg["cores"] = cfg.pop("bind"), len(cpus), None
     if bind != "off":
@@ -243,9 +385,61 @@ def main(argv: list[str] | None = None) -> None:
             if bind == "on":
                 raise SystemExit(f"--bind on: {e}") from None
     load = " ".join(f"{v:.2f}" for v in os.getloadavg())
-    with World(n, timeout=3600, env={"COMMWEAVE_RANK_THREADS": "1"}) as world:
-        ranks = world.run(bench_rank, cfg)
+    if cfg["atlas"]:
+        ranks = run_atlas(cfg)
+    else:
+        with World(n, timeout=3600, env={"COMMWEAVE_RANK_THREADS": "1"}) as world:
+            ranks = world.run(bench_rank, cfg)
     report(cfg, ranks, load, " ".join(f"{v:.2f}" for v in os.getloadavg()))
+
+
+def run_atlas(cfg: dict) -> list[dict]:
+    """Two ranks in two namespaces joined by the emulated WAN; each rank in the namespace of the data
+    center ATLAS's plan puts its stage in; their results, rank order."""
+    import subprocess
+    import sys
+
+    from launch.net import netns
+    from launch.net.wanemu import WanLink
+
+    ok, reason = netns.available()
+    if not ok:
+        raise SystemExit(f"--atlas needs network namespaces: {reason}")
+    with WanLink(rtt=2 * cfg["wan_ms"] / 1e3, rate=cfg["rate_mbit"] * 1e6 / 8) as link:
+        cfg = {**cfg, "ifnames": {"a": link.ifname_a, "b": link.ifname_b}}
+        plan = atlas_plan(cfg)
+        where = {"a": (link.a, link.addr_a, link.ifname_a), "b": (link.b, link.addr_b, link.ifname_b)}
+        master = where[plan.dc_of(0)][1]
+        procs = []
+        for rank in range(2):
+            ns, _addr, ifname = where[plan.dc_of(rank)]
+            job = {**cfg, "rank": rank, "master": master, "ifname": ifname}
+            cmd = ["timeout", "3600", sys.executable, "-m", "benchmarks.bubbletea", "--worker",
+                   json.dumps(job)]
+            procs.append(link.lab.popen(ns, cmd, stdout=subprocess.PIPE, text=True, cwd=_REPO,
+                                        env={**os.environ, "GLOO_SOCKET_IFNAME": ifname,
+                                             "OMP_NUM_THREADS": "1", "COMMWEAVE_RANK_THREADS": "1",
+                                             "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                                             "LOCAL_SIZE": "1", "MASTER_ADDR": master,
+                                             "MASTER_PORT": "29631"}))
+        outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"--atlas: a rank failed (exit codes {[p.returncode for p in procs]}):\n{outs}")
+    return [json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+            for out in outs]
+
+
+def worker(job: dict) -> None:
+    """One rank of ``--atlas``, inside its namespace: a gloo world of 2 over the emulated WAN."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{job['master']}:29631", rank=job["rank"],
+                            world_size=2)
+    out = bench_rank(job)
+    print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

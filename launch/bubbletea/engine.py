@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -65,8 +66,9 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from launch.bubbletea.packer import Chunk
 from launch.bubbletea.server import PrefillServer
 from launch.bubbletea.timeline import Op, Window, busy_time
+from launch.bubbletea.windows import SOURCES, WAITS, combine, compare, instruction_names, plan_windows
 
-WAITS = frozenset({"SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "AggregateLoss"})
+__all__ = ["WAITS", "BubbleTea", "BubbleTeaPipelineEngine", "Iteration", "enable"]
 
 
 @dataclass
@@ -104,8 +106,14 @@ class BubbleTea:
     min_window: float | None = None   # default: one chunk's predicted time + the guard band
     enabled: bool = True              # prefill on in the coming iterations (off: trace only)
     keep: int = 1000                  # the most recent iterations kept in ``iterations``
+    starve_after: int = 8             # prefill-on iterations with work queued and no chunk: starved
+    windows_from: str = "measured"    # "measured", "plan" or "both" (launch.bubbletea.windows)
+    plan: list = field(default_factory=list)    # this rank's windows from ATLAS's plan (plan seconds)
     iterations: deque = field(default_factory=deque, init=False)
     count: int = field(default=0, init=False)  # train_batch calls so far
+    starved: int = field(default=0, init=False)   # times the service was found starved (and re-timed)
+    _dry: int = field(default=0, init=False)
+    _measured: bool = field(default=False, init=False)
     _profile: deque = field(default_factory=deque, init=False)
     _t0: float | None = field(default=None, init=False)
     _ops: list = field(default_factory=list, init=False)
@@ -121,8 +129,12 @@ class BubbleTea:
     def begin_iteration(self) -> None:
         n = self.count
         reprofile = self.reprofile_every > 0 and (n - self.warmup + 1) % self.reprofile_every == 0
-        self._on = self.enabled and n >= self.warmup and len(self._profile) > 0 and not reprofile
+        have = len(self._profile) > 0 or (self.windows_from != "measured" and bool(self.plan))
+        self._on = self.enabled and n >= self.warmup and have and not reprofile
         self._windows = {}
+        if self._on and not self._measured:      # training's allocator has reserved its step by now
+            self.server.measure_memory()
+            self._measured = True
         if self._on:
             windows = self.windows()
             self.server.plan(windows)
@@ -141,6 +153,29 @@ class BubbleTea:
             self._profile.append(it)
         if not failed:
             self.server.raise_error()
+            self._watch_starvation(it)
+
+    def _watch_starvation(self, it: Iteration) -> None:
+        """A service with prompts queued that ran no chunk for ``starve_after`` prefill-on iterations is
+        starved. The cause seen (a rank of ``benchmarks.bubbletea`` at load ~19 ran 0 chunks while the
+        other ran 426 prompts): the cost model was timed while other jobs held the rank's core, so one
+        chunk's predicted time exceeded every window, no chunk was ever planned, and no measured chunk
+        could correct the prediction. So: warn, and have the service time its model again."""
+        if not it.prefill_on or not len(self.server) or it.prefill:
+            self._dry = 0
+            return
+        self._dry += 1
+        if self._dry < self.starve_after:
+            return
+        self._dry = 0
+        self.starved += 1
+        longest = max((w.length for w in self.windows(floor=0.0)), default=0.0)
+        smallest = self.server.cost(_smallest_chunk(self.server), calibrated=True)
+        warnings.warn(f"BubbleTea rank {self.lane}: the prefill service is starved: {len(self.server)} "
+                      f"prompts queued, no chunk in {self.starve_after} iterations; longest window "
+                      f"{longest * 1e3:.2f} ms, smallest chunk predicted {smallest * 1e3:.2f} ms + guard "
+                      f"{self.server.guard * 1e3:.2f} ms. Timing the model again.", stacklevel=2)
+        self.server.recalibrate()
 
     @contextmanager
     def instruction(self, kind: str):
@@ -161,16 +196,28 @@ class BubbleTea:
                 self.server.close()
             self._ops.append(Op(self.lane, kind, start - self._t0, end - self._t0))
 
-    def windows(self) -> list[Window]:
-        """This rank's windows, from the recent prefill-off iterations: for every wait instruction (by
-        its place in the schedule) the median start and the lower-quartile length."""
+    def windows(self, floor: float | None = None) -> list[Window]:
+        """The windows prefill is planned into, from ``windows_from``'s source (:mod:`.windows`); those
+        shorter than ``floor`` (default: one chunk's calibrated time + guard, or ``min_window``) left
+        out."""
+        # the floor uses the calibrated cost: the service packs with its current one (a slow spell that
+        # stopped all prefill must not also hide every window from the service, or it never recovers)
+        if floor is None:
+            smallest = self.server.cost(_smallest_chunk(self.server), calibrated=True) + self.server.guard
+            floor = smallest if self.min_window is None else self.min_window
+        both = combine(self.windows_from, self.plan, self.measured_windows(0.0))
+        return [w for w in both if w.length >= floor]
+
+    def window_report(self) -> dict:
+        """Which source the windows come from, and the plan against the measurement per window."""
+        return {"source": self.windows_from, **compare(self.plan, self.measured_windows(0.0))}
+
+    def measured_windows(self, floor: float) -> list[Window]:
+        """From the recent prefill-off iterations: for every wait instruction (by its place in the
+        schedule) the median start and the lower-quartile length, if at least ``floor``."""
         its = [it for it in self._profile if len(it.ops) == len(self._profile[-1].ops)]
         if not its:
             return []
-        # the floor uses the calibrated cost: the service packs with its current one (a slow spell that
-        # stopped all prefill must not also hide every window from the service, or it never recovers)
-        smallest = self.server.cost(_smallest_chunk(self.server), calibrated=True) + self.server.guard
-        floor = smallest if self.min_window is None else self.min_window
         out = []
         for tag, op in enumerate(its[-1].ops):
             if op.kind not in WAITS:
@@ -230,16 +277,28 @@ class BubbleTeaPipelineEngine(PipelineEngine):
             return super()._aggregate_total_loss()
 
 
-def enable(engine: PipelineEngine, server: PrefillServer, **options) -> BubbleTea:
+def enable(engine: PipelineEngine, server: PrefillServer, plan=None, **options) -> BubbleTea:
     """Switch BubbleTea on for a DeepSpeed pipeline engine; ``options`` go to :class:`BubbleTea`.
-    Returns the controller (``.undo()``, ``.enabled``, ``.iterations``)."""
-    for name, least in (("history", 1), ("warmup", 0), ("reprofile_every", 0), ("keep", 1)):
+    ``plan``: ATLAS's simulated iteration (:func:`launch.plan.simulate.simulate`'s result: ``ops``,
+    ``iteration``), whose idle gaps on this rank's (stage, replica) become its planned windows (with
+    ``windows_from="plan"`` or ``"both"``). Returns the controller (``.undo()``, ``.enabled``,
+    ``.iterations``, ``.window_report()``)."""
+    source = options.get("windows_from", "measured")
+    if source not in SOURCES or (source != "measured" and plan is None):
+        raise ValueError(f"bubbletea.enable: windows_from={source!r} must be one of {', '.join(SOURCES)}"
+                         + ("" if source not in ("plan", "both") else ", and 'plan'/'both' need plan="))
+    for name, least in (("history", 1), ("warmup", 0), ("reprofile_every", 0), ("keep", 1),
+                        ("starve_after", 1)):
         v = options.get(name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < least):
             raise ValueError(f"bubbletea.enable: {name}={v!r} must be an integer >= {least}")
     if type(engine) is not PipelineEngine:
         raise TypeError(f"bubbletea.enable: engine must be a deepspeed PipelineEngine (what "
                         f"deepspeed.initialize returns for a PipelineModule), got {type(engine).__name__}")
+    if plan is not None:
+        names = instruction_names(engine.micro_batches, engine.num_stages, engine.stage_id)
+        row = (engine.stage_id, engine.grid.get_data_parallel_id())
+        options["plan"] = plan_windows(plan.ops, plan.iteration, row, names, lane=engine.global_rank)
     bt = BubbleTea(engine, server, **options)
     engine._bubbletea = bt
     engine.__class__ = BubbleTeaPipelineEngine

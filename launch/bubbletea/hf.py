@@ -11,10 +11,12 @@
 local_files_only=True)``: nothing is downloaded, no weights cross the pipe) and runs every chunk
 through the model's own forward against a ``DynamicCache`` built from the request's
 :class:`~launch.bubbletea.model.KVCache` (views of its filled prefix); the chunk's new keys and values
-are written back into the KVCache. So the service, its cost model and the packer see exactly the
-interface of the project's own :class:`~launch.bubbletea.model.CausalLM` (``prefill_chunk(tokens,
-cache) -> logits [c, V]`` into a cache ``[L, H_kv, T, Dh]``), and only the hand-off knows about
-Hugging Face: :func:`to_dynamic_cache` turns the finished KVCache into the library's own format.
+are written back into the KVCache. :class:`HFConfig` is a :class:`~launch.bubbletea.model.ModelSpec`
+and :class:`HFModel` a :class:`~launch.bubbletea.model.PrefillModel`, so the service, its memory cap,
+its cost model and the packer run it as they run :class:`~launch.bubbletea.model.CausalLM` (a
+KVCache ``[L, H_kv, T, Dh]`` has the ``length`` and ``nbytes`` the cap counts, preallocated), and only
+the hand-off knows about Hugging Face: :func:`to_dynamic_cache` turns the finished KVCache into the
+library's own format (:class:`HFPrefillServer` does it for every result).
 The KVCache is float32 whatever the model's dtype (bf16 and fp16 values are exact in float32; it costs
 twice a bf16 cache's memory); the hand-off casts back to the model's dtype.
 
@@ -106,23 +108,36 @@ class HFConfig:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
-    def build(self) -> HFModel:
-        """The model, loaded here (the prefill service calls this in its own process)."""
-        return HFModel(self)
+    def build(self, device=None) -> HFModel:
+        """The model, loaded here onto ``device`` (the prefill service calls this where it runs)."""
+        return HFModel(self, device)
 
 
 class HFModel:
-    """A Hugging Face causal LM behind CausalLM's interface: ``cfg``, ``prefill_chunk``, ``prefill``."""
+    """A Hugging Face causal LM as a :class:`~launch.bubbletea.model.PrefillModel` (``new_cache``,
+    ``prefill_chunk``), with CausalLM's ``cfg``, ``vocab``, ``max_seq`` and ``prefill`` besides."""
 
-    def __init__(self, cfg: HFConfig) -> None:
+    def __init__(self, cfg: HFConfig, device=None) -> None:
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
+        self.device = torch.device(device or "cpu")
         self.model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=cfg.torch_dtype,
-                                                          local_files_only=True)
+                                                          local_files_only=True).to(self.device)
         self.model.requires_grad_(False)
         self.model.eval()
         self._cache_arg = cache_argument(self.model)
+
+    @property
+    def vocab(self) -> int:
+        return self.cfg.vocab
+
+    @property
+    def max_seq(self) -> int:
+        return self.cfg.max_seq
+
+    def new_cache(self, tokens: int) -> KVCache:
+        return KVCache.empty(self.cfg, tokens, self.device)
 
     @torch.inference_mode()
     def prefill_chunk(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -131,7 +146,8 @@ class HFModel:
         if not 1 <= c <= cache.capacity - start:
             raise ValueError(f"chunk of {c} tokens at position {start}: the cache holds {cache.capacity}")
         dyn = to_dynamic_cache(cache, self.cfg.torch_dtype)
-        out = self.model(input_ids=tokens.reshape(1, c), use_cache=True, **{self._cache_arg: dyn})
+        ids = tokens.reshape(1, c).to(self.device)
+        out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: dyn})
         layers = dyn.layers
         if len(layers) != self.cfg.layers:
             raise ValueError(f"{self.cfg.model_type}: the model filled {len(layers)} cache layers, its "
@@ -148,7 +164,7 @@ class HFModel:
 
     def prefill(self, tokens: torch.Tensor, chunk: int | None = None) -> tuple[KVCache, torch.Tensor]:
         """The prompt in chunks of ``chunk`` tokens (one forward when None): (cache, last logits [V])."""
-        cache = KVCache.empty(self.cfg, tokens.numel())
+        cache = self.new_cache(tokens.numel())
         step = chunk or tokens.numel()
         logits = None
         for lo in range(0, tokens.numel(), step):

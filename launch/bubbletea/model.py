@@ -22,17 +22,50 @@ last-token logits as one forward over all T tokens. Two choices make that hold o
 
 Shapes (legend): T prompt tokens, c chunk tokens, H heads, Dh head size, D = H·Dh hidden, V vocab,
 L layers. The cache holds k, v as ``[L, H, T, Dh]``.
+
+**The model interface the prefill service runs** (any model, e.g. a Hugging Face causal LM, plugs in
+through it; :class:`CausalLM` is one implementation):
+
+- a *spec* (:class:`ModelSpec`): picklable (it travels to the service's process), with ``vocab`` and
+  ``max_seq`` (what :meth:`PrefillServer.submit` checks prompts against) and ``build(device)``, which
+  makes the model in the process and on the device that runs the prefill. :class:`LMConfig` is a spec
+  (fresh weights from its seed), so is :class:`Weights` (a given :class:`CausalLM`'s weights);
+- the *model* (:class:`PrefillModel`): ``new_cache(tokens)`` returns an empty cache for a prompt of that
+  many tokens, ``prefill_chunk(tokens [c], cache)`` runs the next c tokens into it and returns their
+  logits [c, V];
+- the *cache*: any object with ``length`` (tokens filled) and ``nbytes`` (what the memory cap counts);
+  it is handed back as it is (``PrefillResult.cache``), so a decoder gets the model's own format.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 MIN_ROWS = 16      # GEMMs of at least this many rows give every row the same bits (see above)
+
+
+@runtime_checkable
+class PrefillModel(Protocol):
+    """What the prefill service runs (module docstring)."""
+
+    def new_cache(self, tokens: int): ...
+
+    def prefill_chunk(self, tokens: torch.Tensor, cache) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class ModelSpec(Protocol):
+    """How the service builds its model: picklable, ``vocab``/``max_seq``, ``build(device)``."""
+
+    vocab: int
+    max_seq: int
+
+    def build(self, device: torch.device) -> PrefillModel: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +92,31 @@ class LMConfig:
         embeddings, head = (self.vocab + self.max_seq) * d, (d + 1) * self.vocab
         return embeddings + self.layers * (12 * d * d + 13 * d) + 2 * d + head
 
+    def build(self, device=None) -> CausalLM:
+        """The :class:`ModelSpec` side: this config's model (weights from ``seed``) on ``device``."""
+        return CausalLM(self).to(device or "cpu")
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A :class:`ModelSpec` carrying a given model's weights (a :class:`CausalLM` passed to the server)."""
+
+    cfg: LMConfig
+    state_dict: dict
+
+    @property
+    def vocab(self) -> int:
+        return self.cfg.vocab
+
+    @property
+    def max_seq(self) -> int:
+        return self.cfg.max_seq
+
+    def build(self, device=None) -> CausalLM:
+        model = CausalLM(self.cfg)
+        model.load_state_dict(self.state_dict)
+        return model.to(device or "cpu")
+
 
 @dataclass
 class KVCache:
@@ -80,6 +138,13 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def to(self, device) -> KVCache:
+        return KVCache(self.k.to(device), self.v.to(device), self.length)
 
 
 class Block(nn.Module):
@@ -133,9 +198,22 @@ class CausalLM(nn.Module):
         self.requires_grad_(False)
         self.eval()
 
+    @property
+    def vocab(self) -> int:
+        return self.cfg.vocab
+
+    @property
+    def max_seq(self) -> int:
+        return self.cfg.max_seq
+
+    def new_cache(self, tokens: int) -> KVCache:
+        """An empty cache for a prompt of ``tokens`` tokens, on the model's device and in its dtype."""
+        return KVCache.empty(self.cfg, tokens, self.head.weight.device, self.head.weight.dtype)
+
     @torch.inference_mode()
     def prefill_chunk(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Run tokens [c] at positions cache.length.. into the cache; returns their logits [c, V]."""
+        tokens = tokens.to(self.head.weight.device)
         start, c = cache.length, tokens.numel()
         if not 1 <= c <= cache.capacity - start:
             raise ValueError(f"chunk of {c} tokens at position {start}: the cache holds {cache.capacity}")
@@ -153,7 +231,7 @@ class CausalLM(nn.Module):
     def prefill(self, tokens: torch.Tensor, chunk: int | None = None) -> tuple[KVCache, torch.Tensor]:
         """The whole prompt, in chunks of ``chunk`` tokens (one forward when None); returns the cache and
         the last token's logits [V] (the first generated token is their argmax)."""
-        cache = KVCache.empty(self.cfg, tokens.numel(), tokens.device, self.head.weight.dtype)
+        cache = self.new_cache(tokens.numel())
         step = chunk or tokens.numel()
         logits = None
         for lo in range(0, tokens.numel(), step):

@@ -32,6 +32,7 @@ chunks.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import mmap
 import os
@@ -48,9 +49,10 @@ from pathlib import Path
 
 import torch
 
-from launch.bubbletea.model import CausalLM, KVCache, LMConfig
+from launch.bubbletea.device import StreamRunner, as_device, memory_cap
+from launch.bubbletea.model import CausalLM, LMConfig, ModelSpec, Weights
 from launch.bubbletea.packer import Chunk
-from launch.bubbletea.service import recv, send
+from launch.bubbletea.service import Service, recv, send
 from launch.bubbletea.timeline import Window
 
 _ROOT = str(Path(__file__).resolve().parents[2])
@@ -59,7 +61,7 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 @dataclass
 class PrefillResult:
     request: Hashable
-    cache: KVCache
+    cache: object               # the model's own cache (a KVCache for CausalLM): length, nbytes
     logits: torch.Tensor        # [V], the last prompt token's
     first_token: int
     submitted: float            # time.perf_counter() seconds
@@ -78,6 +80,8 @@ class Stats:
     busy: float = 0.0
     skipped: int = 0             # planned chunks not started: the window's rest was too short for them,
     closed: int = 0              # ... or the transfer had returned (the window closed) before their turn
+    queue_peak: int = 0
+    recalibrated: int = 0
     ttft: list = field(default_factory=list)
 
 
@@ -93,19 +97,42 @@ def shared_cores_warning(service_cpus: int, machine_cpus: int, local_ranks: int)
 
 
 class PrefillServer:
-    def __init__(self, config: LMConfig | CausalLM, chunk_tokens: int,
+    def __init__(self, config: LMConfig | CausalLM | ModelSpec, chunk_tokens: int,
                  callback: Callable[[PrefillResult], None], guard: float = 1e-3, nice: int = 19,
                  idle: bool = True, threads: int = 1, cost: tuple[float, float, float] | None = None,
-                 start_timeout: float = 300.0, cpus: Iterable[int] | None = None) -> None:
-        """``config``: the inference model (a :class:`CausalLM` sends its weights along); ``nice`` and
-        ``idle`` (Linux ``SCHED_IDLE``): the service's CPU priority; ``cost``: a fixed ``(a, b, e)``
-        instead of timing the model; ``cpus``: the CPUs the service may run on (default: the rank's)."""
+                 start_timeout: float = 300.0, cpus: Iterable[int] | None = None, device=None,
+                 runner: str | None = None, memory_fraction: float | None = 0.5,
+                 pipeline: dict | None = None) -> None:
+        """``config``: the inference model, a :class:`launch.bubbletea.model.ModelSpec` (an
+        :class:`LMConfig`, or any picklable spec with ``vocab``, ``max_seq``, ``build(device)``; a
+        :class:`CausalLM` sends its weights along); ``device``: where prefill runs (default cpu);
+        ``runner``: ``"process"`` (the SCHED_IDLE process, CPU only; the default there) or ``"stream"``
+        (a thread of this process on the device's low-priority stream; the default on accelerators);
+        ``nice`` and ``idle`` (Linux ``SCHED_IDLE``): the process's CPU priority; ``cost``: a fixed
+        ``(a, b, e)`` instead of timing the model; ``cpus``: the CPUs the process may run on (default:
+        the rank's); ``memory_fraction``: the KV caches' cap, as a fraction of the device memory free
+        after training's first iterations (:meth:`measure_memory`; None: no cap); ``pipeline``: set by
+        :func:`launch.bubbletea.pipelined.stage_server` (one stage of a pipelined inference model)."""
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ValueError(f"chunk_tokens={chunk_tokens!r}: a chunk holds at least one token")
         if not guard >= 0:
             raise ValueError(f"guard={guard}: the guard band cannot be negative")
         if not -20 <= nice <= 19:
             raise ValueError(f"nice={nice}: Linux nice values lie in -20..19")
+        if memory_fraction is not None and not 0.0 < memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction={memory_fraction!r}: must lie in (0, 1], or be None (no cap)")
+        self.device = as_device(device)
+        runner = runner or ("process" if self.device.type == "cpu" else "stream")
+        if runner not in ("process", "stream") or (runner == "process" and self.device.type != "cpu"):
+            raise ValueError(f"runner={runner!r}: 'stream' (any device) or 'process' (device cpu only; "
+                             f"device here is {self.device})")
+        if isinstance(config, CausalLM):
+            spec = Weights(config.cfg, {k: v.cpu() for k, v in config.state_dict().items()})
+        elif isinstance(config, ModelSpec):
+            spec = config
+        else:
+            raise ValueError(f"config={type(config).__name__}: an LMConfig, a CausalLM or a ModelSpec "
+                             "(vocab, max_seq, build(device))")
         allowed = os.sched_getaffinity(0)
         if cpus is not None:
             given = [cpus] if isinstance(cpus, (str, bytes, int)) else list(cpus)
@@ -115,14 +142,14 @@ class PrefillServer:
                                  f"{sorted(allowed)}")
             cpus = sorted(set(given))
         local = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1"   # launchers' count
-        warning = shared_cores_warning(len(cpus or allowed), os.cpu_count() or 1,
-                                       int(local) if local.isdigit() else 1)
+        warning = runner == "process" and shared_cores_warning(len(cpus or allowed), os.cpu_count() or 1,
+                                                               int(local) if local.isdigit() else 1)
         if warning:
             warnings.warn(warning, stacklevel=2)
-        model = config if isinstance(config, CausalLM) else None
-        self.config = model.cfg if model is not None else config
+        self.config, self.runner, self.memory_fraction = spec, runner, memory_fraction
         self.chunk_tokens, self.callback, self.guard = chunk_tokens, callback, guard
         self.stats = Stats()
+        self.memory: dict = {}
         self.error: str | None = None
         self._ratio = 1.0
         self._lock = threading.Lock()
@@ -130,6 +157,23 @@ class PrefillServer:
         self._pongs: dict[int, threading.Event] = {}
         self._seq = 0.0
         self._spans: deque = deque(maxlen=100_000)   # (start, end) perf_counter of chunks not yet taken
+        self._ready, self._linked = threading.Event(), threading.Event()
+        self._first: tuple = ()
+        setup = {"model": spec, "device": str(self.device), "chunk_tokens": chunk_tokens, "guard": guard,
+                 "nice": nice, "idle": idle, "threads": threads, "cost": cost, "cpus": cpus,
+                 "memory_cap": None, **(pipeline or {})}
+        if runner == "stream":
+            self._proc = None
+            self._window = memoryview(array.array("d", [0.0, 0.0]))
+            self._runner = StreamRunner(lambda stream, post: Service(self._on, self._window, setup, stream,
+                                                                     post), self.device, self._on)
+            if not self._ready.wait(start_timeout):
+                raise RuntimeError(f"the BubbleTea prefill stream did not start within {start_timeout} s")
+            if self._first[0] != "ready":
+                raise RuntimeError(f"the BubbleTea prefill stream failed to start:\n{self._first[-1]}")
+            self.fit, self.address = self._first[1:3]
+            return
+        self._runner = None
         fd_window = os.memfd_create("bubbletea-window")
         os.ftruncate(fd_window, 16)
         self._window = memoryview(mmap.mmap(fd_window, 16)).cast("d")
@@ -144,9 +188,7 @@ class PrefillServer:
             os.close(fd)
         self._to = Connection(to_child, readable=False)
         self._from = Connection(from_child, writable=False)
-        send(self._to, "setup", {"config": self.config, "chunk_tokens": chunk_tokens, "guard": guard,
-                                 "nice": nice, "idle": idle, "threads": threads, "cost": cost, "cpus": cpus,
-                                 "state_dict": model.state_dict() if model is not None else None})
+        send(self._to, "setup", setup)
         deadline = time.monotonic() + start_timeout
         while not self._from.poll(0.5):
             if self._proc.poll() is not None or time.monotonic() > deadline:
@@ -157,9 +199,16 @@ class PrefillServer:
         if msg[0] != "ready":
             self._proc.kill()
             raise RuntimeError(f"the BubbleTea prefill service failed to start:\n{msg[-1]}")
-        self.fit = msg[1]
+        self.fit, self.address = msg[1:3]
         self._collector = threading.Thread(target=self._collect, name="bubbletea-collector", daemon=True)
         self._collector.start()
+
+    def _post(self, *msg) -> None:
+        """One message to the service (callers hold ``_lock`` where order with other senders matters)."""
+        if self._runner is not None:
+            self._runner.post(*msg)
+        else:
+            send(self._to, *msg)
 
     # -- requests ---------------------------------------------------------------------------------
     def submit(self, request: Hashable, tokens: torch.Tensor) -> None:
@@ -173,15 +222,16 @@ class PrefillServer:
             if request in self._pending:
                 raise ValueError(f"request {request!r} is already queued")
             self._pending.add(request)
-            send(self._to, "submit", request, tokens, time.perf_counter())
+            self.stats.queue_peak = max(self.stats.queue_peak, len(self._pending))
+            self._post("submit", request, tokens, time.perf_counter())
 
     def __len__(self) -> int:
         return len(self._pending)
 
     @property
     def alive(self) -> bool:
-        """Whether the service process still runs (:mod:`.endpoint` re-queues a dead one's requests)."""
-        return self._proc.poll() is None
+        """Whether the service still runs (:mod:`.endpoint` re-queues a dead one's requests)."""
+        return self._runner.alive() if self._runner is not None else self._proc.poll() is None
 
     def take_spans(self, until: float) -> list[tuple[float, float]]:
         """The (start, end) of the chunks that ended by ``until`` and were not taken before; the service
@@ -199,7 +249,7 @@ class PrefillServer:
     # -- windows ------------------------------------------------------------------------------------
     def plan(self, windows: Sequence[Window]) -> None:
         with self._lock:
-            send(self._to, "windows", [(w.tag, w.start, w.length) for w in windows])
+            self._post("windows", [(w.tag, w.start, w.length) for w in windows])
 
     def open(self, tag, deadline: float) -> None:
         """A window opens now and ends at ``deadline`` (perf_counter seconds)."""
@@ -207,7 +257,7 @@ class PrefillServer:
         self._window[1] = deadline
         self._window[0] = self._seq
         with self._lock:
-            send(self._to, "open", tag, self._seq)
+            self._post("open", tag, self._seq)
 
     def close(self) -> None:
         self._window[1] = 0.0
@@ -215,7 +265,7 @@ class PrefillServer:
     def drain(self) -> None:
         """Prefill everything still queued, now (at the end of a run), and wait for it."""
         with self._lock:
-            send(self._to, "drain")
+            self._post("drain")
         self.sync()
 
     def sync(self, timeout: float = 120.0) -> None:
@@ -224,7 +274,7 @@ class PrefillServer:
         with self._lock:
             n = len(self._pongs)
             self._pongs[n] = event
-            send(self._to, "ping", n)
+            self._post("ping", n)
         if not event.wait(timeout):
             raise TimeoutError(f"the BubbleTea prefill service did not answer within {timeout} s")
         self.raise_error()
@@ -233,11 +283,53 @@ class PrefillServer:
         if self.error is not None:
             raise RuntimeError(f"the BubbleTea prefill service failed:\n{self.error}")
 
+    def link(self, to, timeout: float = 120.0) -> None:
+        """Pipelined: ``"accept"`` the previous stage's service, or reach the next one's at address ``to``
+        (:func:`launch.bubbletea.pipelined.link_stages` calls both, in an order that cannot deadlock)."""
+        self._linked.clear()
+        with self._lock:
+            self._post("link", to)
+        if not self._linked.wait(timeout):
+            raise TimeoutError(f"BubbleTea: the pipelined stage's link ({to!r}) did not come up in "
+                               f"{timeout} s")
+        self.raise_error()
+
+    def measure_memory(self) -> dict:
+        """Cap the KV caches at ``memory_fraction`` of the device memory free now (call it after training's
+        first iterations: :class:`launch.bubbletea.engine.BubbleTea` does, once its warm-up is over).
+        Returns and keeps ``memory``: free, cap, weights, kv, kv_peak (bytes)."""
+        if self.memory_fraction is None:
+            return self.memory
+        free, cap = memory_cap(self.device, self.memory_fraction)
+        self.memory = {**self.memory, "free": free, "cap": cap}
+        with self._lock:
+            self._post("cap", cap)
+        self.sync()
+        return self.memory
+
+    def recalibrate(self) -> None:
+        """Ask the service to time its model again (a cost model that puts every window out of reach)."""
+        with self._lock:
+            self._post("recalibrate")
+
+    def counters(self) -> dict:
+        """This rank's service in numbers: chunks, tokens, prompts done, queue depth, TTFT, memory."""
+        st = self.stats
+        ttft = sorted(st.ttft)
+        return {"chunks": st.chunks, "tokens": st.tokens, "prompts": len(ttft), "queue": len(self._pending),
+                "queue_peak": st.queue_peak, "busy_s": st.busy, "skipped": st.skipped, "closed": st.closed,
+                "ttft_median_s": ttft[len(ttft) // 2] if ttft else None,
+                "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))] if ttft else None,
+                "recalibrated": st.recalibrated, "memory": dict(self.memory)}
+
     def stop(self) -> None:
+        if self._runner is not None:
+            self._runner.stop()
+            return
         with self._lock:
             if self._proc.poll() is None:
                 with contextlib.suppress(OSError):
-                    send(self._to, "stop")
+                    self._post("stop")
         try:
             self._proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -248,35 +340,49 @@ class PrefillServer:
 
     # -- results --------------------------------------------------------------------------------------
     def _collect(self) -> None:
-        st = self.stats
         while True:
             try:
                 msg = recv(self._from)
             except (EOFError, OSError):
                 return
-            kind = msg[0]
-            if kind == "chunk":
-                _, t0, t1, tokens, self._ratio = msg
-                st.chunks, st.tokens, st.busy = st.chunks + 1, st.tokens + tokens, st.busy + (t1 - t0)
-                self._spans.append((t0, t1))
-            elif kind == "skipped":
-                if msg[2] == "closed":
-                    st.closed += msg[1]
-                else:
-                    st.skipped += msg[1]
-            elif kind == "done":
-                _, rid, k, v, length, logits, first, t_submit, t_done = msg
-                with self._lock:
-                    self._pending.discard(rid)
-                result = PrefillResult(rid, KVCache(k, v, length), logits, first, t_submit, t_done)
-                st.ttft.append(result.ttft)
-                try:
-                    self.callback(result)
-                except BaseException as e:          # surfaced to the training thread by raise_error
-                    self.error = f"the callback raised {e!r}"
-            elif kind == "pong":
-                self._pongs[msg[1]].set()
-            elif kind == "error":
-                self.error = msg[1]
-                for event in self._pongs.values():
-                    event.set()
+            self._on(*msg)
+
+    def _on(self, kind: str, *msg) -> None:
+        """One message from the service (the collector thread, or the stream runner's thread)."""
+        st = self.stats
+        if kind == "chunk":
+            t0, t1, tokens, self._ratio = msg
+            st.chunks, st.tokens, st.busy = st.chunks + 1, st.tokens + tokens, st.busy + (t1 - t0)
+            self._spans.append((t0, t1))
+        elif kind == "skipped":
+            if msg[1] == "closed":
+                st.closed += msg[0]
+            else:
+                st.skipped += msg[0]
+        elif kind == "done":
+            rid, cache, logits, first, t_submit, t_done, memory = msg
+            self.memory = {**self.memory, **memory}
+            with self._lock:
+                self._pending.discard(rid)
+            result = PrefillResult(rid, cache, logits, first, t_submit, t_done)
+            st.ttft.append(result.ttft)
+            try:
+                self.callback(result)
+            except BaseException as e:          # surfaced to the training thread by raise_error
+                self.error = f"the callback raised {e!r}"
+        elif kind == "memory":
+            self.memory = {**self.memory, **msg[0]}
+        elif kind == "fit":
+            self.fit, self._ratio = msg[0], 1.0
+            st.recalibrated += 1
+        elif kind == "linked":
+            self._linked.set()
+        elif kind == "pong":
+            self._pongs[msg[0]].set()
+        elif kind in ("ready", "error") and not self._ready.is_set():
+            self._first = (kind, *msg)
+            self._ready.set()
+        elif kind == "error":
+            self.error = msg[0]
+            for event in (*self._pongs.values(), self._linked):
+                event.set()

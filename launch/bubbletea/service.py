@@ -1,25 +1,31 @@
-"""The prefill process of one rank: ``main([fd_in, fd_out, fd_window])`` in a fresh interpreter.
+"""The prefill service of one rank: :class:`Service`, the scheduling core (request queue, resident
+inference model, chunk cost model, packer, window rule, memory cap), and ``main([fd_in, fd_out,
+fd_window])``, the CPU runner: the service in a fresh interpreter. (On an accelerator
+:class:`launch.bubbletea.device.StreamRunner` drives the same core from a thread of the rank.)
 
-Started by :class:`launch.bubbletea.server.PrefillServer`; it owns the request queue, the resident
-inference model, the chunk cost model and the packer, and runs at the lowest CPU priority, the CPU
-stand-in for a low-priority CUDA stream: Linux's ``SCHED_IDLE`` policy (a normal thread that wakes up
-preempts it at once; under nice 19 alone the scheduler may first let it finish its time slice, which
-delays the training thread by up to a slice at every transfer it waits for) and nice 19. Why a process
-and not a thread of the rank: a prefill thread would share the rank's GIL, and a low-priority thread
-descheduled while it holds the GIL stalls the training thread exactly when its transfer completes (the
-moment the other ranks compute and the cores are busy). Here the two share nothing but a window word in
-shared memory.
+Started by :class:`launch.bubbletea.server.PrefillServer`; the CPU runner runs at the lowest CPU
+priority, the CPU stand-in for a low-priority CUDA stream: Linux's ``SCHED_IDLE`` policy (a normal
+thread that wakes up preempts it at once; under nice 19 alone the scheduler may first let it finish its
+time slice, which delays the training thread by up to a slice at every transfer it waits for) and nice
+19. Why a process and not a thread of the rank: a prefill thread would share the rank's GIL, and a
+low-priority thread descheduled while it holds the GIL stalls the training thread exactly when its
+transfer completes (the moment the other ranks compute and the cores are busy). Here the two share
+nothing but a window word in shared memory.
 
 Messages in (pickled, over a pipe), one per line of the protocol:
-    ("setup", dict)                      config, weights, chunk size, guard, nice, idle, threads, cost, cpus
+    ("setup", dict)                      model spec, device, chunk size, guard, nice, idle, threads, cost,
+                                         cpus, memory cap
     ("submit", id, tokens, t_submit)     queue a prompt
     ("windows", [(tag, start, length)])  pack the queue into the coming iteration's windows
     ("open", tag, seq)                   a window opened: run its chunks while the window word allows
     ("drain",)                           prefill everything queued, now
+    ("cap", bytes | None)                the KV caches' memory cap (measured by the rank)
+    ("recalibrate",)                     time the model again (a cost model that starved the rank)
     ("ping", n)                          reply ("pong", n) once everything before it is done
     ("stop",)
 Messages out: ("ready", fit), ("chunk", t0, t1, tokens, ratio), ("skipped", n, "closed" | "short"),
-("done", id, k, v, length, logits, first_token, t_submit, t_done), ("pong", n), ("error", traceback).
+("done", id, cache, logits, first_token, t_submit, t_done, memory), ("memory", memory), ("fit", fit),
+("pong", n), ("error", traceback); memory = {weights, kv, kv_peak, cap} in bytes.
 
 The window word is two float64: (seq, deadline). The rank writes the deadline then the seq when a
 window opens, and the deadline 0 when it closes; a chunk starts only if the seq is the open message's
@@ -31,14 +37,18 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
+import queue
+import threading
 import time
 import traceback
 from collections import OrderedDict
-from multiprocessing.connection import Connection
+from collections.abc import Callable
+from multiprocessing.connection import Client, Connection, Listener
 
 import torch
 
-from launch.bubbletea.model import CausalLM, KVCache, LMConfig
+from launch.bubbletea.device import synchronize, tensor_bytes
+from launch.bubbletea.model import PrefillModel
 from launch.bubbletea.packer import Chunk, Request, pack
 from launch.bubbletea.timeline import Window
 
@@ -52,27 +62,33 @@ def recv(conn: Connection) -> tuple:
     return pickle.loads(conn.recv_bytes())
 
 
-def fit_cost(model: CausalLM, chunk_tokens: int, repeats: int = 3) -> tuple[float, float, float]:
+def fit_cost(model: PrefillModel, max_seq: int, vocab: int, chunk_tokens: int, stream=None,
+             repeats: int = 3) -> tuple[float, float, float]:
     """Time chunks of two sizes into caches of two capacities; least squares of ``a + b·c + e·c·T``
-    (projections and MLP per token, attention against the whole cache; :mod:`.model`)."""
-    cfg = model.cfg
-    caps = sorted({min(cfg.max_seq, chunk_tokens), min(cfg.max_seq, 4 * chunk_tokens)})
+    (projections and MLP per token, attention against the whole cache; :mod:`.model`). Each point is the
+    *fastest* of its repeats: a busy machine only ever adds time, so the minimum is the least disturbed
+    sample (a median taken while another job held the core once set a rank's cost 10x too high, and
+    every window below it: see :meth:`Service.recalibrate`)."""
+    caps = sorted({min(max_seq, chunk_tokens), min(max_seq, 4 * chunk_tokens)})
     rows, times = [], []
     g = torch.Generator().manual_seed(0)
     for cap in caps:
         for size in sorted({max(1, min(chunk_tokens, cap) // 2), min(chunk_tokens, cap)}):
-            tokens = torch.randint(cfg.vocab, (size,), generator=g)
+            tokens = torch.randint(vocab, (size,), generator=g)
+            if hasattr(model, "example_input"):         # a later stage of a pipelined model: activations
+                tokens = model.example_input(tokens)
             samples = []
             for _ in range(repeats + 1):                      # the first run warms the kernels
-                cache = KVCache.empty(cfg, cap)
+                cache = model.new_cache(cap)
                 # at the cache's end: CausalLM attends to the whole capacity wherever a chunk is, a model
                 # that attends to the filled prefix only (hf.HFModel) shows its c·T term only there
                 cache.length = cap - size
                 t0 = time.perf_counter()
                 model.prefill_chunk(tokens, cache)
+                synchronize(stream)
                 samples.append(time.perf_counter() - t0)
             rows.append([1.0, float(size), float(size * cap)])
-            times.append(sorted(samples[1:])[len(samples[1:]) // 2])
+            times.append(min(samples[1:]))
     sol = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
                              torch.tensor(times, dtype=torch.float64)[:, None]).solution.flatten()
     a, b, e = (max(0.0, float(x)) for x in sol)
@@ -80,33 +96,75 @@ def fit_cost(model: CausalLM, chunk_tokens: int, repeats: int = 3) -> tuple[floa
 
 
 class Service:
-    def __init__(self, out: Connection, window: memoryview, setup: dict) -> None:
-        self.out, self.window = out, window
-        self.cfg: LMConfig = setup["config"]
-        build = getattr(self.cfg, "build", None)      # a config that loads its own model (hf.HFConfig)
-        self.model = build() if build is not None else CausalLM(self.cfg)
-        if setup.get("state_dict") is not None:
-            self.model.load_state_dict(setup["state_dict"])
+    """The scheduling core, whichever runner drives it: the request queue, the model, the cost model,
+    the packer, the window rule and the memory cap. ``emit(*msg)`` sends the out-messages."""
+
+    def __init__(self, emit: Callable, window, setup: dict, stream=None,
+                 post: Callable | None = None) -> None:
+        self.emit, self.window, self.stream, self.post = emit, window, stream, post
+        self.spec = setup["model"]
+        self.device = torch.device(setup.get("device") or "cpu")
+        self.model = self.spec.build(self.device)
+        self.weights = tensor_bytes(self.model) if isinstance(self.model, torch.nn.Module) else 0
         self.chunk_tokens, self.guard = setup["chunk_tokens"], setup["guard"]
-        self.fit = setup.get("cost") or fit_cost(self.model, self.chunk_tokens)
+        self.fit = setup.get("cost") or self.calibrate()
+        if setup.get("cost"):     # no timing run warmed the kernels: do it here, not in the first window
+            size = min(self.chunk_tokens, self.spec.max_seq)
+            x = torch.zeros(size, dtype=torch.long)
+            x = self.model.example_input(x) if hasattr(self.model, "example_input") else x
+            self.model.prefill_chunk(x, self.model.new_cache(size))
+            synchronize(stream)
         self.ratio = 1.0             # measured / predicted, a running mean
-        self.queue: OrderedDict = OrderedDict()     # id -> [tokens, t_submit, cache | None, done]
+        self.queue: OrderedDict = OrderedDict()     # id -> [inputs, t_submit, cache | None, done, total]
         self.plan: dict = {}
+        self.cap: int | None = setup.get("memory_cap")   # bytes the KV caches may hold (None: no cap)
+        self.kv = self.kv_peak = 0
+        # pipelined (launch.bubbletea.pipelined): a stage after the first listens for the one before it
+        self.key = setup.get("authkey")
+        self.listener = Listener((setup["listen"], 0), authkey=self.key) if setup.get("listen") else None
+        self.address = self.listener.address if self.listener is not None else None
+        self.down: Connection | None = None                  # the next stage's service
+
+    def calibrate(self) -> tuple[float, float, float]:
+        return fit_cost(self.model, self.spec.max_seq, self.spec.vocab, self.chunk_tokens, self.stream)
 
     def cost(self, chunk: Chunk) -> float:
         a, b, e = self.fit
         return self.ratio * (a + b * chunk.tokens + e * chunk.tokens * chunk.total)
 
+    def admitted(self) -> list[Request]:
+        """The queue as the packer sees it: requests whose cache exists, then, in FIFO order, those
+        whose cache still fits the cap (the first that does not stops the admission: no overtaking)."""
+        out, room = [], None if self.cap is None else self.cap - self.kv
+        for rid, q in self.queue.items():
+            if q[2] is None and room is not None:
+                need = _cache_bytes(self.model, len(q[0]))
+                if need > room:
+                    break
+                room -= need
+            out.append(Request(rid, len(q[0]), done=q[3]))
+        return out
+
     def handle(self, msg: tuple) -> bool:
         kind = msg[0]
         if kind == "submit":
             _, rid, tokens, t_submit = msg
-            self.queue[rid] = [tokens, t_submit, None, 0]
+            self.queue[rid] = [tokens, t_submit, None, 0, len(tokens)]
+        elif kind == "activations":                  # a chunk's output from the previous stage
+            _, rid, lo, hi, total, x, t_submit = msg
+            q = self.queue.setdefault(rid, [Arrived(), t_submit, None, 0, total])
+            q[0].add(lo, hi, x)
+        elif kind == "link":                         # pipelined: accept the previous stage, reach the next
+            if msg[1] == "accept":
+                up = self.listener.accept()
+                threading.Thread(target=_forward, args=(up, self.post), daemon=True).start()
+            else:
+                self.down = Client(msg[1], authkey=self.key)
+            self.emit("linked", msg[1] == "accept")
         elif kind == "windows":
             self.ratio = 1.0 + 0.8 * (self.ratio - 1.0)     # a slow spell that stopped all prefill fades
             windows = [Window(None, start, start + length, tag) for tag, start, length in msg[1]]
-            pending = [Request(rid, len(q[0]), done=q[3]) for rid, q in self.queue.items()]
-            packing = pack(windows, pending, self.chunk_tokens, self.cost, self.guard)
+            packing = pack(windows, self.admitted(), self.chunk_tokens, self.cost, self.guard)
             self.plan = {w.tag: [p.chunk for p in ps] for w, ps in packing.by_window().items()}
         elif kind == "open":
             self.run_window(msg[1], msg[2])
@@ -115,20 +173,31 @@ class Service:
                 q = self.queue[rid]
                 for chunk in Request(rid, len(q[0]), done=q[3]).chunks(self.chunk_tokens):
                     self.run_chunk(chunk)
+            if self.down is not None:         # pipelined: the next stage drains once all of it arrived
+                send(self.down, *DRAINED)
+        elif kind == "cap":
+            self.cap = msg[1]
+            self.emit("memory", self.memory())
+        elif kind == "recalibrate":
+            self.fit, self.ratio = self.calibrate(), 1.0
+            self.emit("fit", self.fit)
         elif kind == "ping":
-            send(self.out, "pong", msg[1])
+            self.emit("pong", msg[1])
         elif kind == "stop":
             return False
         return True
+
+    def memory(self) -> dict:
+        return {"weights": self.weights, "kv": self.kv, "kv_peak": self.kv_peak, "cap": self.cap}
 
     def run_window(self, tag, seq: float) -> None:
         chunks = self.plan.pop(tag, [])
         for i, chunk in enumerate(chunks):
             if self.window[0] != seq or self.window[1] == 0.0:
-                send(self.out, "skipped", len(chunks) - i, "closed")
+                self.emit("skipped", len(chunks) - i, "closed")
                 return
             if time.perf_counter() + self.cost(chunk) + self.guard > self.window[1]:
-                send(self.out, "skipped", len(chunks) - i, "short")
+                self.emit("skipped", len(chunks) - i, "short")
                 return
             self.run_chunk(chunk)
 
@@ -136,21 +205,70 @@ class Service:
         q = self.queue.get(chunk.request)
         if q is None or q[3] != chunk.lo:          # an earlier chunk of it was not run: not its turn
             return
-        tokens, t_submit, cache, _ = q
+        tokens, t_submit, cache, _, total = q
         if cache is None:
-            cache = q[2] = KVCache.empty(self.cfg, len(tokens))
+            cache = q[2] = self.model.new_cache(total)
+            self.kv += cache.nbytes
+            self.kv_peak = max(self.kv_peak, self.kv)
         predicted = self.cost(chunk)
         t0 = time.perf_counter()
         logits = self.model.prefill_chunk(tokens[chunk.lo:chunk.hi], cache)
+        synchronize(self.stream)
         t1 = time.perf_counter()
         q[3] = chunk.hi
         self.ratio *= 0.8 + 0.2 * (t1 - t0) / predicted
-        send(self.out, "chunk", t0, t1, chunk.tokens, self.ratio)
-        if chunk.hi == len(tokens):
+        self.emit("chunk", t0, t1, chunk.tokens, self.ratio)
+        if self.down is not None:                  # to the next stage, inside the data center
+            send(self.down, chunk.request, chunk.lo, chunk.hi, total, logits, t_submit)
+        if chunk.hi == total:
             del self.queue[chunk.request]
+            self.kv -= cache.nbytes                    # handed off: the caller's from here
+            if self.down is not None:              # a stage's part: its layers' cache, no logits yet
+                self.emit("done", chunk.request, cache, None, None, t_submit, t1, self.memory())
+                return
             last = logits[-1]
-            send(self.out, "done", chunk.request, cache.k, cache.v, cache.length, last, int(last.argmax()),
-                 t_submit, t1)
+            self.emit("done", chunk.request, cache, last, int(last.argmax()), t_submit, t1, self.memory())
+
+
+class Arrived:
+    """A later stage's inputs of one request: the chunks' activations as they come, by token range."""
+
+    def __init__(self) -> None:
+        self.parts: dict[int, tuple[int, object]] = {}
+        self.hi = 0
+
+    def add(self, lo: int, hi: int, x) -> None:
+        self.parts[lo] = (hi, x)
+        while self.hi in self.parts:
+            self.hi = self.parts[self.hi][0]
+
+    def __len__(self) -> int:                        # the tokens ready to run (the packer's request)
+        return self.hi
+
+    def __getitem__(self, span: slice):
+        hi, x = self.parts.pop(span.start)
+        if hi != span.stop:
+            raise ValueError(f"chunk [{span.start}, {span.stop}) does not match the arrived "
+                             f"[{span.start}, {hi})")
+        return x
+
+
+DRAINED = ("drained",)       # on a stage link: the previous stage drained; drain too, after its rows
+
+
+def _forward(conn: Connection, post: Callable) -> None:
+    """The previous stage's rows into this service's inbox, in the order they were sent."""
+    try:
+        while True:
+            msg = recv(conn)        # by value: torch's reductions would pass tensors as fds
+            post(("drain",) if msg == DRAINED else ("activations", *msg))
+    except (EOFError, OSError):
+        return
+
+
+def _cache_bytes(model, tokens: int) -> int:
+    """A prompt's cache size, from an empty cache of one token (caches grow linearly in tokens)."""
+    return model.new_cache(1).nbytes * tokens
 
 
 def main(fds: list[int]) -> None:
@@ -166,16 +284,28 @@ def main(fds: list[int]) -> None:
         if setup["idle"]:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         torch.set_num_threads(setup["threads"])
-        service = Service(out, window, setup)
-        send(out, "ready", service.fit)
+        inbox: queue.Queue = queue.Queue()        # the rank's messages and, pipelined, the previous stage's
+        service = Service(lambda *msg: send(out, *msg), window, setup, post=inbox.put)
+        send(out, "ready", service.fit, service.address)
+        threading.Thread(target=_read, args=(conn_in, inbox), daemon=True).start()
         while True:
-            if not conn_in.poll(1.0):
+            try:
+                msg = inbox.get(timeout=1.0)
+            except queue.Empty:
                 if os.getppid() != parent:          # the rank died: nothing left to serve
                     return
                 continue
-            if not service.handle(recv(conn_in)):
+            if msg is None or not service.handle(msg):
                 return
     except EOFError:
         return
     except BaseException:
         send(out, "error", traceback.format_exc())
+
+
+def _read(conn: Connection, inbox: queue.Queue) -> None:
+    try:
+        while True:
+            inbox.put(recv(conn))
+    except (EOFError, OSError):
+        inbox.put(None)

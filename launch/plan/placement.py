@@ -18,18 +18,17 @@ default (launch.plan.socket_limits.DEFAULT_WINDOW); the launcher reports local T
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import replace
 from itertools import pairwise, permutations
-from pathlib import Path
 
+from commweave import values
 from launch.plan.estimate import Estimate, Layout, ModelSpec, build, layer_caps, link_window, split_layers
 from launch.plan.plan import Plan, PlanHost
 from launch.plan.search import Choice, best
 from launch.plan.simulate import simulate
 from launch.plan.socket_limits import DEFAULT_WINDOW, NCCL_MAX_SOCKETS, nccl_split
-from launch.plan.topology import Topology
+from launch.plan.topology import Topology, check_model
 
 
 def usable_gpus(topo: Topology, dc: str, tp: int) -> int:
@@ -108,28 +107,51 @@ def fill_connections(topo: Topology, stage_dc: tuple[str, ...], tp: int, window:
     return min(need, NCCL_MAX_SOCKETS)
 
 
-def atlas_layouts(topo: Topology, model: ModelSpec, window: float, connections: int | None = None):
-    """ATLAS's candidates: every (pp, tp, dp) the model section allows, every placement, layers in
-    proportion to the stages' GPU speed within their memory, connections chosen per placement."""
+# The search simulates candidates of every (pp, tp, dp) with pp·tp·dp <= the GPUs offered, each under
+# several placements: about 5 ms per combination on the shipped topologies (three_dc: 190 in ~1 s).
+# Beyond this many combinations (10**9 slots, 10**7 layers) the model section must fix pp, tp or dp.
+MAX_DEGREES = 2000
+
+
+def tp_options(topo: Topology, model: ModelSpec) -> list[int]:
+    """TP degrees: the model's, else every divisor of the largest host (a TP group never spans hosts)."""
     max_slots = max(h.slots for h in topo.hosts)
-    tps = [model.tp] if model.tp else [t for t in range(1, max_slots + 1) if max_slots % t == 0]
-    pps = [model.pp] if model.pp else range(1, model.layers + 1)
-    dps = [model.dp] if model.dp else [d for d in range(1, model.sequences + 1) if model.sequences % d == 0]
+    return [model.tp] if model.tp else [t for t in range(1, max_slots + 1) if max_slots % t == 0]
+
+
+def degrees(topo: Topology, model: ModelSpec, tps: list[int] | None = None) -> list[tuple[int, int, int]]:
+    """Every (pp, tp, dp) the model section allows with pp·tp·dp <= the topology's GPUs (dp divides the
+    sequences per iteration); a ValueError when there are more than :data:`MAX_DEGREES`."""
     total = sum(h.slots for h in topo.hosts)
-    for tp in tps:
-        for pp in pps:
-            for dp in dps:
-                if pp * tp * dp > total:
-                    continue
-                for stage_dc in placements(topo, pp, tp, dp):
-                    speeds = [topo.dc(d).gpu_flops for d in stage_dc]
-                    caps = layer_caps(topo, model, list(stage_dc), tp, dp)
-                    layers = split_layers(model.layers, speeds, caps)
-                    if layers is None:
-                        continue
-                    conns = connections or fill_connections(topo, stage_dc, tp, window)
-                    yield Layout(tp, tuple((d,) * dp for d in stage_dc), tuple(layers), conns, "spatial",
-                                 atlas_runtime=True)
+    tps = tp_options(topo, model) if tps is None else tps
+    pps = [model.pp] if model.pp else range(1, min(model.layers, total) + 1)
+    dps = [model.dp] if model.dp else [d for d in range(1, min(model.sequences, total) + 1)
+                                       if model.sequences % d == 0]
+    count = sum(1 for tp in tps for pp in pps if pp * tp <= total for dp in dps if pp * tp * dp <= total)
+    if count > MAX_DEGREES:
+        values.refuse(f"{topo.source}: model", {"layers": model.layers, "sequences": model.sequences,
+                                                 "gpus": total},
+                      f"{count} (pp, tp, dp) combinations to search, more than {MAX_DEGREES} (about 10 s): "
+                      "fix pp, tp or dp in the model section")
+    return [(pp, tp, dp) for tp in tps for pp in pps for dp in dps if pp * tp * dp <= total]
+
+
+def atlas_layouts(topo: Topology, model: ModelSpec, window: float, connections: int | None = None,
+                  split=None):
+    """ATLAS's candidates: every (pp, tp, dp) the model section allows, every placement, layers in
+    proportion to the stages' GPU speed within their memory, connections chosen per placement.
+    ``split(layers, speeds, caps)``: another layer split rule (the decomposition's baseline splits)."""
+    split = split or split_layers
+    for pp, tp, dp in degrees(topo, model):
+        for stage_dc in placements(topo, pp, tp, dp):
+            speeds = [topo.dc(d).gpu_flops for d in stage_dc]
+            caps = layer_caps(topo, model, list(stage_dc), tp, dp)
+            layers = split(model.layers, speeds, caps)
+            if layers is None:
+                continue
+            conns = connections or fill_connections(topo, stage_dc, tp, window)
+            yield Layout(tp, tuple((d,) * dp for d in stage_dc), tuple(layers), conns, "spatial",
+                         atlas_runtime=True)
 
 
 def choose(topo: Topology, model: ModelSpec, connections: int | None = None, sharing: str | None = None,
@@ -146,9 +168,7 @@ def choose(topo: Topology, model: ModelSpec, connections: int | None = None, sha
     sharings = (sharing,) if sharing else ("spatial", "temporal")
     found = best(topo, model, atlas_layouts(topo, model, window, connections), window, sharings)
     if found is None:
-        max_slots = max(h.slots for h in topo.hosts)
-        tps = [model.tp] if model.tp else [t for t in range(1, max_slots + 1) if max_slots % t == 0]
-        raise ValueError(_infeasible(topo, model, tps))
+        raise ValueError(_infeasible(topo, model))
     return found
 
 
@@ -191,14 +211,12 @@ def _what_if(topo: Topology, model: ModelSpec, lay: Layout, window: float) -> tu
                                         window)).iteration) for label, k, mode in variants)
 
 
-def _infeasible(topo: Topology, model: ModelSpec, tps: list[int]) -> str:
+def _infeasible(topo: Topology, model: ModelSpec) -> str:
     fixed = {k: getattr(model, k) for k in ("pp", "tp", "dp") if getattr(model, k)}
     offer = ", ".join(f"{d.name}: {d.gpus}" for d in topo.datacenters)
-    pps = [model.pp] if model.pp else range(1, model.layers + 1)
-    dps = [model.dp] if model.dp else [d for d in range(1, model.sequences + 1) if model.sequences % d == 0]
     # the least memory a placeable layout needs: even layers, stage 0's in-flight micro-batches
     need = [model.stage_memory(-(-model.layers // pp), min(pp, model.micro_batches(dp)), tp)
-            for tp in tps for pp in pps for dp in dps if place(topo, pp, tp, dp) is not None]
+            for pp, tp, dp in degrees(topo, model) if place(topo, pp, tp, dp) is not None]
     if not need:
         want = ""
         if len(fixed) == 3:
@@ -251,11 +269,11 @@ def render(plan: Plan, topo: Topology, model: ModelSpec) -> str:
 def load_model(topo: Topology, model_file: str | None) -> ModelSpec:
     """The model section: from --atlas-model FILE when given, else the topology file's "model"."""
     if model_file:
-        try:
-            raw = json.loads(Path(model_file).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"--atlas-model {model_file!r}: cannot read a JSON object ({e})") from None
-        return ModelSpec.from_dict(raw.get("model", raw), source=model_file)
+        raw = values.load_json(model_file, "--atlas-model", top=dict)
+        raw = raw.get("model", raw)
+        if not isinstance(raw, dict):
+            values.refuse("--atlas-model", model_file, "its \"model\" must be a JSON object")
+        return ModelSpec.from_dict(check_model(raw, f"{model_file}: model"), source=model_file)
     if topo.model is None:
         raise ValueError(f"{topo.source}: no \"model\" section; add one or pass --atlas-model FILE")
     return ModelSpec.from_dict(topo.model, source=f"{topo.source}: model")

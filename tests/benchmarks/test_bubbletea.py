@@ -9,16 +9,21 @@ from benchmarks import bubbletea as bench
 
 
 def _rank(rank, stock, on, profile, ttft):
-    return {"rank": rank, "stock": stock, "on": on, "profile": profile, "util_off": 0.4, "util_on": 0.7,
+    return {"rank": rank, "last": True, "stock": stock, "on": on, "profile": profile, "util_off": 0.4,
+            "util_on": 0.7,
             "train_busy_on": 4.0, "prefill_busy_on": 3.0, "wall_on": 10.0, "windows": [(5, 20.0)],
             "ttft": ttft, "prefilled": len(ttft), "chunks": 8, "skipped": 1, "closed": 0,
-            "tokens_per_s": 100.0, "steady_iterations": 12}
+            "tokens_per_s": 100.0, "steady_iterations": 12, "tokens": 800 * (rank + 1),
+            "counters": {"queue": 2, "queue_peak": 3, "recalibrated": 0},
+            "memory": {"cap": 2**30, "kv_peak": 2**20},
+            "window_report": {"median_rel_diff": 0.1, "plan_s": 0.02, "measured_s": 0.022}}
 
 
 def test_report_pairs_the_arms(capsys):
     cfg = {"wan_ms": 10.0, "hidden": 8, "layers": 2, "micro_batches": 2, "batch": 2, "lm_hidden": 8,
            "lm_layers": 1, "prompt": 16, "chunk": 8, "guard_ms": 1.0, "outstanding": 1, "pairs": 3, "nice": 0,
-           "prefill_nice": 19, "prefill_idle": 1, "cpus": 2, "cores": [[0], [1]]}
+           "prefill_nice": 19, "prefill_idle": 1, "cpus": 2, "cores": [[0], [1]], "atlas": False,
+           "pipelined": False, "windows": "both"}
     # pairs: 1.00/1.00, 1.10/1.00 (a noisy pair), 0.98/1.00 -> median ratio 1.00; medians of the arms alone
     # would say otherwise if the pairs were not kept together
     ranks = [_rank(0, [1.0, 1.0, 1.0], [1.0, 1.1, 0.98], [1.02, 1.0, 1.0], [0.5, 0.7]),
@@ -33,6 +38,18 @@ def test_report_pairs_the_arms(capsys):
     assert summary["ttft_median_s"] == pytest.approx(0.6)
     assert summary["utilisation"] == pytest.approx(0.4)
     assert summary["utilisation_bubbletea"] == pytest.approx(0.7)
+    assert [r["share"] for r in summary["per_rank"]] == pytest.approx([1 / 3, 2 / 3])
+    assert summary["starved_ranks"] == [] and summary["per_rank"][1]["slowdown"] == pytest.approx(0.01)
+
+
+def test_a_starved_rank_is_flagged(capsys):
+    cfg = {"wan_ms": 10.0, "cores": None, "atlas": False, "pipelined": False, "windows": "measured"}
+    ranks = [_rank(0, [1.0], [1.0], [1.0], []), _rank(1, [1.0], [1.0], [1.0], [0.5])]
+    ranks[0].update(chunks=0, tokens=0)
+    rows = bench.rank_table(cfg, ranks)
+    assert [r["starved"] for r in rows] == [True, False]
+    assert ("WARNING: rank 0's prefill service is starved: 0 chunks, 0% of the prefilled tokens "
+            "(even share 50%)") in capsys.readouterr().out
 
 
 def test_core_shares_split_like_bind_cores_to_rank():

@@ -108,3 +108,48 @@ def test_seed_rng_seeds_like_torch_manual_seed_on_a_cpu_only_torch():
     a = torch.rand(4), torch.randn(3)
     torch.manual_seed(123)
     assert all(torch.equal(x, y) for x, y in zip(a, (torch.rand(4), torch.randn(3)), strict=True))
+
+
+def _iteration(bt, window_s: float) -> None:
+    """One iteration as the engine traces it: compute, a wait of ``window_s``, compute."""
+    import time
+
+    bt.begin_iteration()
+    for kind, seconds in (("ForwardPass", 0.002), ("RecvActivation", window_s), ("BackwardPass", 0.002)):
+        with bt.instruction(kind):
+            time.sleep(seconds)
+    bt.end_iteration()
+
+
+def test_a_starved_service_is_warned_about_and_timed_again():
+    """The starvation of benchmarks.bubbletea's rank 0 at load ~19, reproduced: a cost model timed while
+    other jobs held the core (here: given, 1 s a chunk) puts every 40 ms window out of reach; the
+    controller sees prompts queued and no chunk, warns, and the service's new timing lets it prefill."""
+    import types
+
+    from launch.bubbletea import LMConfig, PrefillServer
+    from launch.bubbletea.engine import BubbleTea
+
+    got = []
+    server = PrefillServer(LMConfig(**LM), chunk_tokens=16, callback=got.append, guard=5e-4,
+                           cost=(1.0, 0.0, 0.0), runner="stream")
+    bt = BubbleTea(types.SimpleNamespace(global_rank=3), server, warmup=2, starve_after=3)
+    try:
+        server.submit("p", torch.arange(40) % LM["vocab"])
+        _iteration(bt, 0.04)
+        _iteration(bt, 0.04)
+        assert bt.windows() == [] and len(bt.windows(floor=0.0)) == 1       # below the 1 s floor
+        with pytest.warns(UserWarning, match=r"BubbleTea rank 3: the prefill service is starved: 1 prompts "
+                                             r"queued, no chunk in 3 iterations; longest window"):
+            for _ in range(3):
+                _iteration(bt, 0.04)
+        server.sync()
+        assert bt.starved == 1 and server.stats.recalibrated == 1 and server.fit[0] < 1.0
+        for _ in range(40):                    # a few on an idle machine; more when others load it
+            _iteration(bt, 0.04)
+            bt.wait_idle()
+            if got:
+                break
+        assert [r.request for r in got] == ["p"] and server.memory["cap"] > 0
+    finally:
+        server.stop()

@@ -115,9 +115,9 @@ def test_bad_topologies_raise_in_prepare(tmp_path, mutate, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--hostfile", "/etc/hosts"], "the hosts come from --atlas-topology"),
+    (["--hostfile", "/etc/hosts"], "--hostfile '/etc/hosts': Hostfile contains a bad entry"),
     (["--include", "a0"], "too few GPUs for the plan"),    # a0's one GPU cannot hold two stages
-    (["--num_gpus", "1"], "the plan decides the nodes and GPUs"),
+    (["--num_gpus", "2"], "--num_gpus 2: more than these hosts offer"),
     (["--wan-connections", "65"], "must be <= 64"),
 ])
 def test_conflicting_arguments(tmp_path, argv, message):

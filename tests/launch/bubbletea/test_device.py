@@ -1,0 +1,145 @@
+"""The device runner (a thread of the rank on the device's low-priority stream) walked on a CPU with the
+null stream: the window rule, the hand-off, the memory cap and the model interface other models plug into."""
+
+import time
+
+import pytest
+import torch
+
+from launch.bubbletea import device as dev
+from launch.bubbletea.model import CausalLM, KVCache, LMConfig, ModelSpec, PrefillModel
+from launch.bubbletea.server import PrefillServer
+from launch.bubbletea.timeline import Window
+
+CFG = LMConfig(vocab=50, hidden=32, layers=1, heads=2, max_seq=64, seed=5)
+CACHE_BYTES_PER_TOKEN = 2 * 1 * 32 * 4          # k and v, L = 1 layer, H·Dh = 32, fp32
+
+
+def _prompt(n, seed=0):
+    return torch.randint(50, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def served():
+    got = []
+    server = PrefillServer(CFG, chunk_tokens=8, callback=got.append, guard=0.005, cost=(0.05, 0.0, 0.0),
+                           runner="stream", memory_fraction=None)
+    yield server, got
+    server.stop()
+
+
+def test_the_cpu_stream_is_the_null_stream_and_the_runner_a_thread_of_this_process(served):
+    server, _ = served
+    assert server._proc is None and server._runner.alive() and server._runner.stream is None
+    cpu = torch.device("cpu")
+    assert dev.prefill_stream(cpu) is None and dev.training_stream(cpu) is None
+    with dev.on_stream(None):
+        dev.synchronize(None)
+
+
+def test_the_window_rule_on_the_stream_runner(served):
+    server, got = served
+    server.submit("r", _prompt(16))
+    server.plan([Window(None, 0.0, 0.03, tag=1)])       # 50 ms + 5 ms guard > 30 ms: nothing placed
+    server.open(1, time.perf_counter() + 0.03)
+    server.sync()
+    assert server.stats.chunks == 0
+    server.plan([Window(None, 0.0, 60.0, tag=2)])       # placed, but the window turns out short
+    server.open(2, time.perf_counter() + 0.02)
+    server.sync()
+    assert server.stats.chunks == 0 and server.stats.skipped == 2
+    server.plan([Window(None, 0.0, 60.0, tag=3)])
+    server.open(3, time.perf_counter() + 60)
+    server.sync()
+    assert server.stats.chunks == 2 and len(server) == 0 and [r.request for r in got] == ["r"]
+    (r,) = got
+    cache, logits = CausalLM(CFG).prefill(_prompt(16), 8)
+    assert isinstance(r.cache, KVCache) and torch.equal(r.cache.k, cache.k) and torch.equal(r.logits, logits)
+    c = server.counters()
+    assert (c["chunks"], c["tokens"], c["prompts"], c["queue"], c["queue_peak"]) == (2, 16, 1, 0, 1)
+
+
+def test_the_memory_cap_admits_caches_in_order():
+    got = []
+    server = PrefillServer(CFG, chunk_tokens=64, callback=got.append, cost=(1e-3, 0.0, 0.0), runner="stream",
+                           memory_fraction=0.5)
+    try:
+        measured = server.measure_memory()
+        assert 0 < measured["cap"] <= measured["free"] // 2 + 1 and measured["weights"] > 0
+        server._post("cap", 40 * CACHE_BYTES_PER_TOKEN)      # room for one 40-token cache at a time
+        server.sync()
+        for i, n in enumerate((40, 30, 10)):
+            server.submit(i, _prompt(n, i))
+        server.plan([Window(None, 0.0, 60.0, tag=0)])
+        server.open(0, time.perf_counter() + 60)
+        server.sync()
+        # the first fits; the second (30 tokens) waits for the first to be handed off, and the third
+        # does not overtake it although it would fit
+        assert [r.request for r in got] == [0]
+        assert server.memory["kv_peak"] == 40 * CACHE_BYTES_PER_TOKEN and server.memory["kv"] == 0
+        server.plan([Window(None, 0.0, 60.0, tag=1)])
+        server.open(1, time.perf_counter() + 60)
+        server.sync()
+        assert [r.request for r in got] == [0, 1, 2]
+        assert server.memory["kv_peak"] == 40 * CACHE_BYTES_PER_TOKEN
+    finally:
+        server.stop()
+
+
+class _Doubled:
+    """Another model behind the interface: a spec (picklable, vocab, max_seq, build) and a model whose
+    cache is its own class (here: a CausalLM's cache in a wrapper)."""
+
+    vocab, max_seq = CFG.vocab, CFG.max_seq
+
+    def build(self, device):
+        return _DoubledModel(CFG.build(device))
+
+
+class _Cache:
+    def __init__(self, inner):
+        self.inner = inner
+
+    length = property(lambda self: self.inner.length)
+    nbytes = property(lambda self: self.inner.nbytes)
+
+
+class _DoubledModel:
+    def __init__(self, lm):
+        self.lm = lm
+
+    def new_cache(self, tokens):
+        return _Cache(self.lm.new_cache(tokens))
+
+    def prefill_chunk(self, tokens, cache):
+        return 2 * self.lm.prefill_chunk(tokens, cache.inner)
+
+
+@pytest.mark.parametrize("runner", ["stream", "process"])
+def test_any_model_behind_the_interface(runner):
+    assert isinstance(_Doubled(), ModelSpec) and isinstance(_Doubled().build("cpu"), PrefillModel)
+    got = []
+    server = PrefillServer(_Doubled(), chunk_tokens=8, callback=got.append, cost=(1e-3, 0.0, 0.0),
+                           runner=runner, nice=0, idle=False)
+    try:
+        server.submit("x", _prompt(20, 3))
+        server.drain()
+    finally:
+        server.stop()
+    (r,) = got
+    cache, logits = CausalLM(CFG).prefill(_prompt(20, 3), 8)
+    assert isinstance(r.cache, _Cache) and torch.equal(r.cache.inner.k, cache.k)
+    assert torch.equal(r.logits, 2 * logits) and r.first_token == int(logits.argmax())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"runner": "gpu"}, "runner='gpu': 'stream' \\(any device\\) or 'process'"),
+    ({"memory_fraction": 0.0}, r"memory_fraction=0.0: must lie in \(0, 1\]"),
+    ({"memory_fraction": 1.5}, r"memory_fraction=1.5: must lie in \(0, 1\]"),
+    ({"device": "nodevice"}, "device='nodevice': not a device"),
+])
+def test_bad_device_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PrefillServer(CFG, chunk_tokens=8, callback=print, **kwargs)
+    with pytest.raises(ValueError, match="config=int: an LMConfig, a CausalLM or a ModelSpec"):
+        PrefillServer(3, chunk_tokens=8, callback=print)

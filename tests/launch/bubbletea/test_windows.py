@@ -1,0 +1,85 @@
+"""Windows from ATLAS's simulated schedule: its idle gaps land on the rank's wait instructions with their
+lengths; plan and measurement combined and compared; the engine prefills from the plan before it measured."""
+
+import time
+import types
+
+import pytest
+import torch
+
+from launch.bubbletea.timeline import Window
+from launch.bubbletea.windows import WAITS, combine, compare, instruction_names, plan_windows
+from launch.plan.simulate import Link, Pipeline, simulate
+from launch.plan.timeline import idle_windows
+
+WAN = Link(latency=0.5, bandwidth=1.0)
+
+
+def _plan(schedule="1f1b"):
+    return simulate(Pipeline(t_f=[1, 1], t_b=[2, 2], links=[WAN], act_bytes=1.0, micro_batches=4,
+                             schedule=schedule))
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_the_plans_gaps_become_the_wait_instructions_windows(stage):
+    result = _plan()
+    names = instruction_names(4, 2, stage)
+    got = plan_windows(result.ops, result.iteration, (stage, 0), names, lane=stage)
+    gaps = idle_windows(result.ops, result.iteration)[(stage, 0)]
+    # every idle gap of the row is one window, on a wait instruction of the rank, of the gap's length
+    assert all(names[w.tag] in WAITS for w in got) and all(w.lane == stage for w in got)
+    assert [(w.start, w.end) for w in got] == gaps
+    expected = {0: ["RecvGrad"] * 3, 1: ["RecvActivation", "RecvActivation", "AggregateLoss"]}[stage]
+    assert [names[w.tag] for w in got] == expected
+    if stage == 1:           # the last stage first waits for stage 0's forward and the WAN
+        assert got[0].start == 0.0 and got[0].length == pytest.approx(1.0 + 0.5 + 1.0)   # F + latency + bytes
+
+
+def test_a_plan_of_another_schedule_is_refused():
+    result = _plan("gpipe")
+    with pytest.raises(ValueError, match=r"row \(0, 0\)'s plan runs FFFFBBBB but the rank's schedule "
+                                         r"runs FFBFBFBB: not the same pipeline schedule"):
+        plan_windows(result.ops, result.iteration, (0, 0), instruction_names(4, 2, 0))
+
+
+def test_both_takes_the_measurement_and_scales_the_plan_where_it_has_none():
+    plan = [Window(0, 0.0, 1.0, 3), Window(0, 2.0, 4.0, 7), Window(0, 5.0, 5.5, 9)]
+    measured = [Window(0, 0.1, 1.6, 3), Window(0, 2.2, 5.2, 7)]                # 1.5x the plan
+    assert combine("plan", plan, measured) == plan and combine("measured", plan, measured) == measured
+    assert combine("both", plan, []) == plan                                      # plan first
+    both = combine("both", plan, measured)
+    assert both[:2] == measured and both[2].tag == 9 and both[2].length == pytest.approx(0.75)
+    report = compare(plan, measured)
+    assert report["median_rel_diff"] == pytest.approx(0.5)
+    assert report["windows"][2] == {"tag": 9, "plan_ms": 500.0, "measured_ms": None}
+    with pytest.raises(ValueError, match="windows='guess': one of measured, plan, both"):
+        combine("guess", plan, measured)
+
+
+def test_the_engine_prefills_from_the_plan_before_any_measurement():
+    from launch.bubbletea import LMConfig, PrefillServer
+    from launch.bubbletea.engine import BubbleTea
+
+    got = []
+    server = PrefillServer(LMConfig(vocab=64, hidden=32, layers=1, heads=2, max_seq=48, seed=11), 16,
+                           callback=got.append, guard=5e-4, cost=(1e-3, 0.0, 0.0), runner="stream")
+    plan = [Window(0, 0.002, 0.202, 1)]                   # a 200 ms wait at instruction 1
+    bt = BubbleTea(types.SimpleNamespace(global_rank=0), server, warmup=0, windows_from="plan", plan=plan)
+    try:
+        server.submit("p", torch.arange(40) % 64)
+        for _ in range(20):                      # one iteration on an idle machine, more when others load it
+            bt.begin_iteration()
+            assert bt._on and bt.windows() == plan and bt.measured_windows(0.0) == []   # nothing measured
+            for kind, seconds in (("ForwardPass", 0.002), ("RecvActivation", 0.2), ("BackwardPass", 0.002)):
+                with bt.instruction(kind):
+                    time.sleep(seconds)
+            bt.end_iteration()
+            bt.wait_idle()
+            if got:
+                break
+        assert [r.request for r in got] == ["p"]
+        report = bt.window_report()
+        assert report["source"] == "plan" and report["windows"] == [{"tag": 1, "plan_ms": 200.0,
+                                                                     "measured_ms": None}]
+    finally:
+        server.stop()

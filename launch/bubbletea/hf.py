@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from launch.bubbletea.model import KVCache
+from launch.bubbletea.model import CausalLM, KVCache
 from launch.bubbletea.server import PrefillResult, PrefillServer
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -115,7 +115,7 @@ class HFConfig:
 
 class HFModel:
     """A Hugging Face causal LM as a :class:`~launch.bubbletea.model.PrefillModel` (``new_cache``,
-    ``prefill_chunk``), with CausalLM's ``cfg``, ``vocab``, ``max_seq`` and ``prefill`` besides."""
+    ``prefill_chunk``), with CausalLM's ``cfg`` and ``prefill`` besides."""
 
     def __init__(self, cfg: HFConfig, device=None) -> None:
         from transformers import AutoModelForCausalLM
@@ -127,14 +127,6 @@ class HFModel:
         self.model.requires_grad_(False)
         self.model.eval()
         self._cache_arg = cache_argument(self.model)
-
-    @property
-    def vocab(self) -> int:
-        return self.cfg.vocab
-
-    @property
-    def max_seq(self) -> int:
-        return self.cfg.max_seq
 
     def new_cache(self, tokens: int) -> KVCache:
         return KVCache.empty(self.cfg, tokens, self.device)
@@ -162,14 +154,9 @@ class HFModel:
         cache.length = start + c
         return out.logits[0].float()
 
-    def prefill(self, tokens: torch.Tensor, chunk: int | None = None) -> tuple[KVCache, torch.Tensor]:
-        """The prompt in chunks of ``chunk`` tokens (one forward when None): (cache, last logits [V])."""
-        cache = self.new_cache(tokens.numel())
-        step = chunk or tokens.numel()
-        logits = None
-        for lo in range(0, tokens.numel(), step):
-            logits = self.prefill_chunk(tokens[lo:lo + step], cache)
-        return cache, logits[-1]
+    # the prompt in chunks (one forward when None): (cache, last logits [V]); CausalLM's loop, which needs
+    # only new_cache and prefill_chunk
+    prefill = CausalLM.prefill
 
 
 def cache_argument(model) -> str:

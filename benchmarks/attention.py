@@ -65,7 +65,7 @@ from megatron_patches.block import select_kernel
 from megatron_patches.groups import WallFacerGroups
 from megatron_patches.hybrid import ulysses_error
 from megatron_patches.layout import Layout, rank_chunks, valid_team_sizes
-from megatron_patches.placement import ETHERNET, ORDERS, Topology, estimate, nodes_of
+from megatron_patches.placement import ORDERS, estimate, nodes_of
 from megatron_patches.steps import keep_cpu_buffers, kept_buffer_bytes, release_buffers
 from megatron_patches.volume import Shard
 from megatron_patches.wallfacer import wallfacer_attention
@@ -322,24 +322,19 @@ def p2p_world(world: int) -> dict:
     return out
 
 
-CLUSTERS = {
-    # paper Table 1: per-GPU NVLink GB/s one way, node network GB/s, latencies µs, dense bf16 TFLOP/s per
-    # GPU; the calibration (placement.Calibration) by network, as python -m megatron_patches.estimate does
-    "64x H100, 8/node, 8x400 Gb/s IB": (64, Topology.from_specs(8, 450, 400, 3, 10, 989,
-                                                                 rank_nic_gbytes=50)),
-    "32x A100, 16/node, 100 Gb/s Ethernet": (32, Topology.from_specs(16, 300, 12.5, 3, 25, 312,
-                                                                      calib=ETHERNET)),
-}
-
-
 def projections() -> dict:
-    """PROJECTIONS of the alpha-beta model (placement.estimate): one attention layer fwd+bwd, GPT-7B-like
-    heads (32 × 128, bf16, MHA, batch 1), the better of the two slot orders per C."""
-    print("\nPROJECTION (alpha-beta model, not a measurement): one attention layer fwd+bwd, "
+    """PROJECTIONS of the cost model with the paper's clusters as spec profiles (benchmarks.paper_check:
+    public specs, nothing tuned): one attention layer fwd+bwd, GPT-7B-like heads (32 x 128, bf16, MHA,
+    batch 1), the better of the two slot orders per C."""
+    from benchmarks.paper_check import cluster
+
+    print("\nPROJECTION (spec profiles, not a measurement): one attention layer fwd+bwd, "
           "32 heads x 128, bf16, batch 1")
     out = {}
-    for name, (world, topo) in CLUSTERS.items():
-        nodes = nodes_of(range(world), topo.ranks_per_node)
+    for name, (cl_name, world) in {"64x H100, 8/node, 8x400 Gb/s IB": ("H100_80GB_8", 64),
+                                   "32x A100, 16/node, 100 Gb/s Ethernet": ("A100_40GB_16", 32)}.items():
+        cl = cluster(cl_name, world)
+        topo, nodes = cl.topology(), cl.nodes()
         print(f"  {name}:")
         for tokens in (65536, 131072, 262144, 524288):
             sh = Shard(tokens // world, 1, 32, 32, 128, 2, 4)

@@ -14,10 +14,13 @@
 #   6. packed   python -m benchmarks.packed_check --device cuda (block "WallFacer packed sequences" below): a
 #               packed batch of documents through wallfacer_attention on one GPU (flash-attn's varlen path
 #               when it imports, sdpa per document) against fp64 attention inside each document
-#   7. parm     python -m benchmarks.parm_gpu_check --device cuda (block "Parm checks" below): a bf16 ParmMoE
+#   7. calibrate  python -m megatron_patches.calibrate --ranks 1 --device cuda (block "WallFacer calibration"
+#               below): the cost profile's kernel half on one GPU (bf16 attention per block size, forward and
+#               backward, full and causal; a GEMM), written to $OUT/profile_gpu.json and read back
+#   8. parm     python -m benchmarks.parm_gpu_check --device cuda (block "Parm checks" below): a bf16 ParmMoE
 #               forward+backward and a no_grad "auto" forward against DeepSpeed's MoE; dispatch/combine with
 #               hidden sizes 33 and 65, a storage-offset view and a non-default stream against the reference
-#   8. bubbletea python -m benchmarks.bubbletea_gpu --device cuda (block "BubbleTea on one GPU" below): a
+#   9. bubbletea python -m benchmarks.bubbletea_gpu --device cuda (block "BubbleTea on one GPU" below): a
 #               training loop with emulated bubbles (sleeps on a high-priority training stream) and BubbleTea's
 #               prefill on the least-priority stream: training-step slowdown, prefill tokens/s, peak memory
 # Each step prints PASS, FAIL or SKIP with its time; a failed step skips the ones that need it. The whole
@@ -140,10 +143,11 @@ run_gpu() {
     say "commweave GPU check on $(uname -n), $(date -u +%FT%TZ), OUT=$out"
     step gpu 60 gpu_info || { skip wheels "no usable GPU"; skip build "no usable GPU"; skip tests "no usable GPU"
                               skip bench "no usable GPU"; skip wallfacer_blocks "no usable GPU"
-                              skip wallfacer_packed "no usable GPU"; skip parm "no usable GPU"
-                              skip bubbletea "no usable GPU"; return; }
+                              skip wallfacer_packed "no usable GPU"; skip wallfacer_calibrate "no usable GPU"
+                              skip parm "no usable GPU"; skip bubbletea "no usable GPU"; return; }
     step wallfacer_blocks 180 wallfacer_blocks
     step wallfacer_packed 180 wallfacer_packed
+    step wallfacer_calibrate 180 wallfacer_calibrate
     step bubbletea 180 bubbletea_gpu
     local have_wheels=1
     if compgen -G ".whl/*.whl" > /dev/null; then
@@ -247,6 +251,7 @@ run_dry() {
     step bench 300 tiny_bench
     step wallfacer_blocks 300 wallfacer_blocks_dry
     step wallfacer_packed 300 wallfacer_packed_dry
+    step wallfacer_calibrate 300 wallfacer_calibrate_dry
     step parm 300 parm_checks_cpu
     step bubbletea 300 bubbletea_gpu_dry
 }
@@ -282,6 +287,37 @@ wallfacer_packed_dry() {
     "$python" -m benchmarks.packed_check --device cpu
 }
 # --- end of the WallFacer packed sequences -----------------------------------------------------------------
+
+# --- WallFacer calibration (issue 21, item 6) -------------------------------------------------------------
+# wallfacer_calibrate: megatron_patches/calibrate.py with one rank on the GPU: the attention kernel's
+# throughput per block size (512 .. 16384 rows, 8 heads x 128, bf16; forward with the online-softmax merge,
+# backward with the accumulations; full and causal) and a 4096 x 4096 GEMM, into $OUT/profile_gpu.json
+# (the links of one GPU are not measurable: the profile's provenance says they are the NVLink spec), then
+# the profile is read back through profile.load and printed as one JSON line; needs only torch. The dry
+# run does the same on the CPU with tiny blocks.
+check_profile() {
+    "$python" -c "
+import json, sys
+from megatron_patches.profile import load
+p = load(sys.argv[1])
+print(json.dumps({'benchmark': 'calibrate', 'device': p.provenance['device'], 'passed': True,
+                  'fwd_tflops': p.attention['fwd'].points, 'bwd_tflops': p.attention['bwd'].points,
+                  'gemm_tflops': p.gemm_tflops}))" "$1"
+}
+
+wallfacer_calibrate() {
+    "$python" -m megatron_patches.calibrate --ranks 1 --device cuda --dtype bfloat16 --reps 5 --heads 8 \
+        --head-dim 128 --hidden 4096 --rows 512 1024 2048 4096 8192 16384 --intra-GBps 450 \
+        --out "$out/profile_gpu.json" > "$out/wallfacer_calibrate.txt" 2>&1 || { tail -n 20 "$out/wallfacer_calibrate.txt"; return 1; }
+    check_profile "$out/profile_gpu.json"
+}
+
+wallfacer_calibrate_dry() {
+    "$python" -m megatron_patches.calibrate --ranks 1 --device cpu --reps 1 --heads 1 --head-dim 16 \
+        --hidden 64 --rows 32 64 --out "$out/profile_cpu.json" > /dev/null || return 1
+    check_profile "$out/profile_cpu.json"
+}
+# --- end of the WallFacer calibration -----------------------------------------------------------------------
 
 # --- Parm checks (issue 9 item 8) --------------------------------------------------------------------------
 # The checks live in benchmarks/parm_gpu_check.py; without deepspeed (no wheels) its layer checks SKIP and

@@ -288,7 +288,7 @@ def _layer_shape(cfg: Config):
 
 
 def _predicted(cfg: Config) -> dict:
-    """The "auto" selector's predicted fwd+bwd ms of S1 and S2 for this config (empty when MP = 1)."""
+    """The "auto" selector's predicted fwd+bwd ms of each schedule it chose from for this config."""
     from ds_plugins import selector
 
     for (_, shape), decision in selector.decisions().items():

@@ -1,6 +1,7 @@
 """ATLAS multi-TCP over an emulated WAN: a 256 MiB pipeline transfer with 1, 2, 4, 8, 16 connections.
 
     python -m benchmarks.wan [--rtt-ms 40] [--rate-mbit 800] [--mib 256] [--window-kib 1024] [--repeats 3]
+        [--json link.json]
 
 Two network namespaces joined by launch.net.wanemu (a TUN delay line for the RTT, tbf for the rate; needs
 root). One gloo rank in each sends a 256 MiB tensor the way ATLAS's patched pipeline p2p does
@@ -16,7 +17,9 @@ the link, as Linux's default 4-6 MiB buffers do on a real 10 Gb/s x 40 ms path (
 forwarders run at raised priority (they stand for dedicated hosts and a network); the machine's
 load is still printed, and figures taken under load are not worth much.
 
-Prints a table (medians of --repeats transfers) and ends with one JSON line of ratios.
+Prints a table (medians of --repeats transfers) and ends with one JSON line of ratios; its
+``window_fraction`` (the stock single-connection send's rate x minimum RTT / buffer) and ``link_MBps``
+are the link constants the calibrated simulator uses (benchmarks/atlas_calibration.py, --json).
 """
 
 from __future__ import annotations
@@ -49,10 +52,38 @@ def _plan(conns: int):
     return make_plan(topology.parse(raw, source="wan-bench"), model, conns, "spatial")
 
 
-def worker(rank: int, master: str, peer: str, ifname: str, mib: int, conns: list[int], repeats: int) -> None:
+def _pingpong(rank: int, send, recv, sizes_kib: list[int], repeats: int) -> dict[str, float]:
+    """Median one-way seconds of a blocking send answered by a blocking send back, per size: how a
+    pipeline transfer after an idle gap costs (DeepSpeed's p2p: one blocking call at a time)."""
+    import torch
+    import torch.distributed as dist
+
+    out = {}
+    for kib in sizes_kib:
+        x, times = torch.ones(kib * 256), []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.monotonic()
+            if rank == 0:
+                send(x)
+                recv(x)
+            else:
+                recv(x)
+                send(x)
+            times.append((time.monotonic() - t0) / 2)
+        out[str(kib)] = statistics.median(times)
+    # rank 0's clock spans the whole round trip (rank 1's send may return once its bytes are buffered)
+    obj = [out]
+    dist.broadcast_object_list(obj, src=0)
+    return obj[0]
+
+
+def worker(rank: int, master: str, peer: str, ifname: str, mib: int, conns: list[int], repeats: int,
+           pingpong: list[int] = (), nice: bool = True) -> None:
     """One side of the transfer, inside its namespace. Rank 1 (the receiver) prints the timings."""
-    with contextlib.suppress(PermissionError):
-        os.nice(-10)        # stands for a dedicated host: a busy shared machine disturbs it less
+    if nice:
+        with contextlib.suppress(PermissionError):
+            os.nice(-10)    # stands for a dedicated host: a busy shared machine disturbs it less
     os.environ["GLOO_SOCKET_IFNAME"] = ifname
     import torch
     import torch.distributed as dist
@@ -75,7 +106,10 @@ def worker(rank: int, master: str, peer: str, ifname: str, mib: int, conns: list
         else:
             comm.recv(x, 0, dist.group.WORLD)
             stock.append(time.monotonic() - t0)
-    out = {"stock": {"seconds": stock}}
+    peer_rank = 1 - rank
+    out = {"stock": {"seconds": stock, "pingpong": _pingpong(
+        rank, lambda t: comm.send(t, peer_rank, dist.group.WORLD),
+        lambda t: comm.recv(t, peer_rank, dist.group.WORLD), pingpong, repeats)}}
     for k in conns:
         dist.barrier()
         before = established_connections({peer})
@@ -99,7 +133,9 @@ def worker(rank: int, master: str, peer: str, ifname: str, mib: int, conns: list
                     raise RuntimeError(f"k={k}: the striped transfer arrived corrupted")
         obj = [sample]
         dist.broadcast_object_list(obj, src=0)
-        out[k] = {"seconds": times, "opened": opened, "ss": obj[0]}
+        out[k] = {"seconds": times, "opened": opened, "ss": obj[0], "pingpong": _pingpong(
+            rank, lambda t, wan=wan: wan.isend(t, rank, peer_rank).wait(),
+            lambda t, wan=wan: wan.irecv(t, rank, peer_rank).wait(), pingpong, repeats)}
     if rank == 1:
         print("RESULT " + json.dumps(out), flush=True)
     dist.barrier()
@@ -135,25 +171,26 @@ class _Sampler:
         return max(self.conns.values(), key=lambda c: c["bytes_acked"], default={})
 
 
-def link_rate(link, seconds: float = 3.0, port: int = 5201) -> float:
-    """Bytes/s that STREAMS plain TCP streams push from A to B (the emulated link's capacity)."""
+def link_rate(link, seconds: float = 3.0, port: int = 5201, streams: int = STREAMS) -> float:
+    """Bytes/s that ``streams`` plain TCP streams push from A to B (with STREAMS: the emulated link's
+    capacity; with 1: one connection's window/RTT)."""
     server = (f"import socket, threading\n"
               f"s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-              f"s.bind(({link.addr_b!r}, {port})); s.listen({STREAMS})\n"
+              f"s.bind(({link.addr_b!r}, {port})); s.listen({streams})\n"
               f"def drain(c):\n    while c.recv(1 << 20):\n        pass\n"
               f"while True:\n"
               f"    threading.Thread(target=drain, args=(s.accept()[0],), daemon=True).start()\n")
     link.lab.popen(link.b, [sys.executable, "-c", server])
     client = (f"import socket, threading, time\n"
-              f"sent = [0] * {STREAMS}; buf = bytes(1 << 20)\n"
-              f"socks = [socket.create_connection(({link.addr_b!r}, {port})) for _ in range({STREAMS})]\n"
+              f"sent = [0] * {streams}; buf = bytes(1 << 20)\n"
+              f"socks = [socket.create_connection(({link.addr_b!r}, {port})) for _ in range({streams})]\n"
               f"def push(i, end):\n    while time.monotonic() < end:\n"
               f"        sent[i] += socks[i].send(buf)\n"
               f"warm = time.monotonic() + 1.0\n"
-              f"ts = [threading.Thread(target=push, args=(i, warm)) for i in range({STREAMS})]\n"
+              f"ts = [threading.Thread(target=push, args=(i, warm)) for i in range({streams})]\n"
               f"[t.start() for t in ts]; [t.join() for t in ts]\n"
-              f"sent = [0] * {STREAMS}; t0 = time.monotonic(); end = t0 + {seconds}\n"
-              f"ts = [threading.Thread(target=push, args=(i, end)) for i in range({STREAMS})]\n"
+              f"sent = [0] * {streams}; t0 = time.monotonic(); end = t0 + {seconds}\n"
+              f"ts = [threading.Thread(target=push, args=(i, end)) for i in range({streams})]\n"
               f"[t.start() for t in ts]; [t.join() for t in ts]\n"
               f"print(sum(sent) / (time.monotonic() - t0))\n")
     for _ in range(50):
@@ -164,6 +201,53 @@ def link_rate(link, seconds: float = 3.0, port: int = 5201) -> float:
     raise RuntimeError("link_rate: could not reach the stream server")
 
 
+def measure_on(link, mib: int, connections: str, repeats: int, pingpong: str = "", nice: bool = True
+               ) -> tuple[float, list[float], dict, dict]:
+    """Everything the table reports, on a link already set up (its namespaces' sysctls included): the
+    probed RTT, the link rate before and after, the workers' timings (and ping-pongs of ``pingpong``
+    KiB), the drop counters. ``nice``: the workers run at raised priority."""
+    rtt = link.probe_rtt(9)
+    rate = link_rate(link)
+    procs = []
+    for rank, ns, peer, ifname in ((0, link.a, link.addr_b, link.ifname_a),
+                                   (1, link.b, link.addr_a, link.ifname_b)):
+        args = json.dumps([link.addr_a, peer, ifname])
+        cmd = ["timeout", "1200", sys.executable, "-m", "benchmarks.wan", "--worker", str(rank),
+               "--args", args, "--mib", str(mib), "--connections", connections, "--repeats", str(repeats),
+               "--pingpong", pingpong, *([] if nice else ["--normal-priority"])]
+        procs.append(link.lab.popen(ns, cmd, cwd=REPO, stdout=subprocess.PIPE, text=True,
+                                    env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}))
+    outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"worker failed: {[p.returncode for p in procs]}\n{outs}")
+    # the link rate again after the transfers: a busy machine lowers either measurement, the
+    # larger one is the closer to what the link carries
+    rates = [rate, link_rate(link, port=5202)]
+    result = json.loads(next(line for line in outs[1].splitlines() if line.startswith("RESULT "))[7:])
+    return rtt, rates, result, link.drops()
+
+
+PINGPONG_KIB = (64, 1024, 2048, 4096)
+
+
+def link_constants(link, mib: int = 2, connections: str = "1,8", repeats: int = 3) -> dict:
+    """What the calibrated simulator takes from a link (launch.plan.calibrated.LinkMode), measured on
+    it at the priority the job runs at: the link's bytes/s, and for the stock send and each ATLAS
+    connection count, alpha and bytes/s of one transfer after an idle gap, from ping-pongs of two
+    sizes (t = alpha + bytes / rate through both points): 64 KiB and 2 MiB on one connection, 1 and
+    4 MiB with k > 1 (both striped: STRIPE_MIN_BYTES is 1 MiB)."""
+    _, rates, result, _ = measure_on(link, mib, connections, repeats, ",".join(map(str, PINGPONG_KIB)),
+                                     nice=False)
+    out = {"link_Bps": max(rates), "modes": {}}
+    for mode, r in result.items():
+        small, large = (64, 2048) if mode in ("stock", "1") else (1024, 4096)
+        t1, t2 = r["pingpong"][str(small)], r["pingpong"][str(large)]
+        rate = (large - small) * 1024 / max(t2 - t1, 1e-9)
+        out["modes"][mode] = {"alpha_s": max(0.0, t1 - small * 1024 / rate), "Bps": rate,
+                              "pingpong_s": r["pingpong"]}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rtt-ms", type=float, default=40.0)
@@ -172,13 +256,17 @@ def main() -> None:
     ap.add_argument("--window-kib", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--connections", default="1,2,4,8,16")
+    ap.add_argument("--json", default=None, help="also write the last JSON line to this file")
+    ap.add_argument("--pingpong", default="", help="also time ping-pongs of these KiB (comma list)")
+    ap.add_argument("--normal-priority", action="store_true", help="workers at normal priority")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--args", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     conns = [int(c) for c in a.connections.split(",")]
     if a.worker is not None:
         master, peer, ifname = json.loads(a.args)
-        worker(a.worker, master, peer, ifname, a.mib, conns, a.repeats)
+        worker(a.worker, master, peer, ifname, a.mib, conns, a.repeats,
+               [int(x) for x in a.pingpong.split(",") if x], not a.normal_priority)
         return
 
     from launch.net import netns
@@ -195,32 +283,16 @@ def main() -> None:
             ns.sysctl("net.ipv4.tcp_rmem", f"4096 131072 {window}")
             ns.sysctl("net.ipv4.tcp_wmem", f"4096 16384 {window}")
             ns.sysctl("net.ipv4.tcp_slow_start_after_idle", "0")
-        rtt = link.probe_rtt(9)
-        rate = link_rate(link)
-        procs = []
-        for rank, ns, peer, ifname in ((0, link.a, link.addr_b, link.ifname_a),
-                                       (1, link.b, link.addr_a, link.ifname_b)):
-            args = json.dumps([link.addr_a, peer, ifname])
-            cmd = ["timeout", "1200", sys.executable, "-m", "benchmarks.wan", "--worker", str(rank),
-                   "--args", args, "--mib", str(a.mib), "--connections", a.connections,
-                   "--repeats", str(a.repeats)]
-            procs.append(link.lab.popen(ns, cmd, cwd=REPO, stdout=subprocess.PIPE, text=True,
-                                        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}))
-        outs = [p.communicate()[0] for p in procs]
-        if any(p.returncode for p in procs):
-            raise RuntimeError(f"worker failed: {[p.returncode for p in procs]}\n{outs}")
-        # the link rate again after the transfers: a busy machine lowers either measurement, the
-        # larger one is the closer to what the link carries
-        rates = [rate, link_rate(link, port=5202)]
-        drops = link.drops()
+        rtt, rates, result, drops = measure_on(link, a.mib, a.connections, a.repeats, a.pingpong,
+                                               not a.normal_priority)
     load_after = os.getloadavg()
-    result = json.loads(next(line for line in outs[1].splitlines() if line.startswith("RESULT "))[7:])
     _report(a, rtt, max(rates), rates, window, result, drops, load_before, load_after)
 
 
 def _report(a, rtt, rate, rates, window, result, drops, load_before, load_after) -> None:
     size = a.mib * 2**20
-    stock = size / statistics.median(result.pop("stock")["seconds"]) / 1e6
+    stock_run = result.pop("stock")
+    stock, pingpong = size / statistics.median(stock_run["seconds"]) / 1e6, stock_run.get("pingpong", {})
     mbps = {int(k): size / statistics.median(v["seconds"]) / 1e6 for k, v in result.items()}
     ss = result[min(result, key=int)]["ss"]
     wnd_rtt = ss["snd_wnd"] / (ss["minrtt"] / 1e3) / 1e6 if ss.get("snd_wnd") else float("nan")
@@ -251,8 +323,16 @@ def _report(a, rtt, rate, rates, window, result, drops, load_before, load_after)
                "one_vs_buffer_rtt": round(mbps[min(mbps)] / buf_rtt, 3),
                "best_vs_one": round(best / mbps[min(mbps)], 2),
                "stock_MBps": round(stock, 1), "best_vs_stock": round(best / stock, 2),
-               "load1": [round(load_before[0], 2), round(load_after[0], 2)]}
+               "load1": [round(load_before[0], 2), round(load_after[0], 2)],
+               # one stock connection's effective window (its rate x the minimum RTT): the topology's
+               # "window_mb" for this link, and its fraction of the TCP buffer maximum
+               "window_mb": round(stock * 1e6 * base_rtt / 2**20, 3),
+               "window_fraction": round(stock * 1e6 / (window / base_rtt), 3), "window_kib": a.window_kib,
+               "rtt_set_ms": a.rtt_ms, "rate_mbit": a.rate_mbit,
+               "pingpong_s": {"stock": pingpong, **{k: v.get("pingpong", {}) for k, v in result.items()}}}
     print(json.dumps(summary))
+    if a.json:
+        Path(a.json).write_text(json.dumps(summary) + "\n")
 
 
 if __name__ == "__main__":

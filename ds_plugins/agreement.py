@@ -22,7 +22,7 @@ capacity is the largest number of routes one block of tokens sends one expert).
 
 A rank whose input is refused (ds_plugins.inputs) says so in the training flag's slot (2 instead of 0 or
 1), so no extra value travels: when the MAX shows a refusal, every rank of the layer takes one more,
-error-only round that carries the refusing rank's message over MP, then EP (:func:`_relay`), and raises
+error-only round that carries the refusing rank's message over MP, then EP (:func:`relay`), and raises
 it. :func:`settings` agrees once, at set-up, on the layer's arguments (the schedule, the sizes) in the same
 two hops.
 """
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from commweave import comm
-from ds_plugins.config import SCHEDULES
+from ds_plugins.config import SCHEDULES, path_id
 from ds_plugins.groups import ParmGroups
 from ds_plugins.inputs import NOISY_GATE_POLICIES
 
@@ -66,14 +66,14 @@ def spread(values: Sequence[int], g: ParmGroups, device: torch.device) -> Spread
     return Spread(lo=tuple(-x for x in u[n: 2 * n]), hi=tuple(u[:n]), mp=tuple(u[2 * n:]))
 
 
-def _relay(message: str | None, groups: Sequence, what: str = "parm MoE", **values: int) -> str | None:
-    """``comm.disagreement`` over the first group, its verdict passed on verbatim over the next (MP, then EP:
-    every rank of the layer ends with the same message, see the module docstring). Collective on each."""
-    first = True
-    for group in groups:
-        if group is not None and comm.size(group) > 1:
-            message = comm.disagreement(group, what, message, relay=not first, **values)
-            first = False
+def relay(message: str | None, groups: Sequence, what: str = "parm MoE", **values: int) -> str | None:
+    """``comm.disagreement`` over the first group, its verdict passed on verbatim over the next (MP, then EP),
+    then once more over the first: a disagreement found in the EP round names that EP group's ranks, and
+    the last round gives every rank the message of the first MP lane's EP group, so every rank of the layer
+    ends with the same text (module docstring). Collective on each."""
+    live = [group for group in groups if group is not None and comm.size(group) > 1]
+    for i, group in enumerate(live + live[:1] if len(live) > 1 else live):
+        message = comm.disagreement(group, what, message, relay=i > 0, **(values if i < len(live) else {}))
     return message
 
 
@@ -90,7 +90,7 @@ def tokens(num_tokens: int, training: bool, drop_tokens: bool, g: ParmGroups, de
     """
     s = spread([num_tokens, _REFUSED if error is not None else int(training)], g, device)
     if s.hi[1] == _REFUSED:
-        raise ValueError(_relay(error, (g.mp, g.ep)) or error)
+        raise ValueError(relay(error, (g.mp, g.ep)) or error)
     if s.mp[0]:
         raise ValueError("parm MoE: the tensor-parallel (MP) ranks of this layer hold different token "
                          f"counts (between {s.lo[0]} and {s.hi[0]}): the input of an MoE layer must be "
@@ -132,7 +132,8 @@ def settings(layer, mp_group, ep_group, error: str | None = None) -> None:
                   eval_capacity_factor=float(gate.eval_capacity_factor), drop_tokens=int(gate.drop_tokens),
                   use_rts=int(gate.use_rts), use_residual=int(layer.use_residual),
                   expert_tensor_parallel=int(layer.enable_expert_tensor_parallelism),
-                  noisy_gate_policy=NOISY_GATE_POLICIES.index(gate.noisy_gate_policy))
-    message = _relay(error, (mp_group, ep_group), "ParmMoE layer settings", **values)
+                  noisy_gate_policy=NOISY_GATE_POLICIES.index(gate.noisy_gate_policy),
+                  cost_cache=path_id(layer.cost_cache))
+    message = relay(error, (mp_group, ep_group), "ParmMoE layer settings", **values)
     if message is not None:
         raise ValueError(message)

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from commweave import comm
+from commweave import values
+from ds_plugins import cost_cache
 
 SCHEDULES = ("auto", "s1", "s2", "deepspeed")
 """auto: pick S1 or S2 per layer shape with the alpha-beta model (parm.md §2.9);
@@ -34,10 +36,19 @@ def check_schedule(schedule: Any) -> str:
 
 
 def check_overlap_chunks(chunks: Any) -> int:
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"parm overlap_chunks={chunks!r} must be an integer >= 1 (the number of pipeline "
-                         "chunks the all-to-all and the all-gather / reduce-scatter are overlapped in)")
+    # at most int32: the count travels in the layer's agreement (_layout caps the chunks at the slots)
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or not 1 <= chunks <= values.INT32_MAX:
+        raise ValueError(f"parm overlap_chunks={chunks!r} must be an integer >= 1 and <= {values.INT32_MAX} "
+                         "(the number of pipeline chunks the all-to-all and the all-gather / reduce-scatter "
+                         "are overlapped in)")
     return chunks
+
+
+def check_cost_cache_type(path: Any) -> str | None:
+    """The type rule, the same on every rank; the file system's rules are ds_plugins.cost_cache.check."""
+    if path is not None and (not isinstance(path, str) or not path):
+        raise ValueError(f"parm cost_cache={path!r} must be a file path (string) or null")
+    return path
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,15 +74,24 @@ class ParmConfig:
     rank becomes an error naming the operation after this long. None: ``COMMWEAVE_TIMEOUT_S``, else 300."""
 
     def __post_init__(self) -> None:
+        # One rule per type, as JSON gives them: booleans only as true/false, numbers only as numbers
+        # ("60" or "4" are refused for timeout_s and overlap_chunks alike), paths as strings.
         for name in ("enabled", "skip_empty_slots", "debug"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"parm {name}={getattr(self, name)!r} must be true or false")
         check_schedule(self.schedule)
         check_overlap_chunks(self.overlap_chunks)
-        if self.cost_cache is not None and (not isinstance(self.cost_cache, str) or not self.cost_cache):
-            raise ValueError(f"parm cost_cache={self.cost_cache!r} must be a file path (string) or null")
+        if check_cost_cache_type(self.cost_cache) is not None:
+            cost_cache.check(self.cost_cache)
         if self.timeout_s is not None:
-            comm.check_seconds(self.timeout_s, "parm timeout_s")
+            values.seconds(self.timeout_s, "parm timeout_s", what="the communication timeout")
+
+    def agreed_values(self) -> dict[str, int]:
+        """The section as integers for ``comm.agree`` (the path by its CRC-32; the timeout is compared by
+        every agreement already)."""
+        return dict(enabled=int(self.enabled), schedule=SCHEDULES.index(self.schedule),
+                    overlap_chunks=self.overlap_chunks, skip_empty_slots=int(self.skip_empty_slots),
+                    debug=int(self.debug), cost_cache=path_id(self.cost_cache))
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any]) -> ParmConfig:
@@ -100,3 +120,8 @@ class ParmConfig:
             raise ValueError("DeepSpeed config must be a dict or a JSON file path, "
                              f"got {type(config).__name__}")
         return cls.from_dict(config.get("parm", {}))
+
+
+def path_id(path: str | None) -> int:
+    """A path as an integer the ranks can compare (0: none)."""
+    return 0 if path is None else 1 + zlib.crc32(os.fsencode(path))

@@ -18,6 +18,14 @@ ESP-sharded experts in DeepSpeed's layout (ds_plugins.checkpoint).
 
 from __future__ import annotations
 
+import functools
+import inspect
+import json
+import os
+import threading
+import warnings
+from collections.abc import Mapping
+
 import deepspeed
 import torch.distributed
 from deepspeed.accelerator import get_accelerator
@@ -29,7 +37,7 @@ from torch import nn
 
 from commweave import comm
 from ds_plugins import checkpoint, experts, inputs
-from ds_plugins.config import SCHEDULES, ParmConfig
+from ds_plugins.config import ParmConfig
 from ds_plugins.groups import check_layout
 from ds_plugins.moe import ParmMoE, check_tutel
 
@@ -74,6 +82,50 @@ def swap_moe_layers(model: nn.Module, config: ParmConfig, world_size: int, tp: i
     return model
 
 
+_inside = threading.local()
+"""Set while ds_plugins.initialize runs deepspeed.initialize: the plain call's warning is not for it."""
+
+
+def _parm_enabled(config) -> bool:
+    """Whether a DeepSpeed config (dict or JSON file) has ``"parm": {"enabled": true}``; never raises (a
+    file DeepSpeed cannot read is DeepSpeed's error to give)."""
+    if isinstance(config, str | os.PathLike):
+        try:
+            with open(config) as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return False
+    section = config.get("parm") if isinstance(config, Mapping) else None
+    return isinstance(section, Mapping) and section.get("enabled") is True
+
+
+def warn_if_parm_ignored(initialize):
+    """``deepspeed.initialize`` wrapped (``import ds_plugins`` installs it): called directly with an enabled
+    ``"parm"`` section, it warns on every rank that the MoE layers stay DeepSpeed's and how to switch Parm
+    on, then runs unchanged. Only the call's own arguments are read: nothing communicates."""
+    @functools.wraps(initialize)
+    def plain(*args, **kwargs):
+        if not getattr(_inside, "active", False):
+            bound = inspect.signature(initialize).bind_partial(*args, **kwargs).arguments
+            source = _config_source(bound.get("args"), bound.get("config"), bound.get("config_params"))
+            if _parm_enabled(source):
+                warnings.warn('the DeepSpeed config has "parm": {"enabled": true}, but '
+                              "deepspeed.initialize does not read it: Parm is OFF and the MoE layers stay "
+                              "deepspeed.moe.layer.MoE. "
+                              "Call ds_plugins.initialize (the same arguments) to switch Parm on",
+                              UserWarning, stacklevel=2)
+        return initialize(*args, **kwargs)
+    plain.parm_warns = True
+    return plain
+
+
+def install_plain_initialize_warning() -> None:
+    """Wrap ``deepspeed.initialize`` with :func:`warn_if_parm_ignored`, once however often it is called
+    (code that did ``from deepspeed import initialize`` before importing ds_plugins keeps the original)."""
+    if not getattr(deepspeed.initialize, "parm_warns", False):
+        deepspeed.initialize = warn_if_parm_ignored(deepspeed.initialize)
+
+
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, distributed_port=TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None,
                dist_init_required=None, collate_fn=None, config=None, mesh_param=None, config_params=None):
@@ -95,16 +147,19 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     except (ValueError, OSError) as e:
         error = f"ds_plugins.initialize: {e}"
     comm.agree(torch.distributed.group.WORLD, 'ds_plugins.initialize: the "parm" section', error,
-               enabled=int(parm.enabled), schedule=SCHEDULES.index(parm.schedule),
-               overlap_chunks=parm.overlap_chunks, skip_empty_slots=int(parm.skip_empty_slots),
-               debug=int(parm.debug))
+               **parm.agreed_values())
     if parm.enabled and model is not None:
         model = swap_moe_layers(model, parm, world, tp)
-    out = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
-                               model_parameters=model_parameters, training_data=training_data,
-                               lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
-                               dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
-                               mesh_param=mesh_param, config_params=config_params)
+    _inside.active = True
+    try:
+        out = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
+                                   model_parameters=model_parameters, training_data=training_data,
+                                   lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
+                                   dist_init_required=dist_init_required, collate_fn=collate_fn,
+                                   config=config,
+                                   mesh_param=mesh_param, config_params=config_params)
+    finally:
+        _inside.active = False
     if parm.enabled:
         checkpoint.install(out[0])  # optimizer states of sharded experts saved in DeepSpeed's layout too
     return out

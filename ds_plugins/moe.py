@@ -27,7 +27,8 @@ from torch import nn
 
 from commweave import comm
 from ds_plugins import agreement, checkpoint, experts, inputs, moe_timers, selector
-from ds_plugins.config import ParmConfig, check_overlap_chunks, check_schedule
+from ds_plugins import cost_cache as cost_cache_file
+from ds_plugins.config import ParmConfig, check_cost_cache_type, check_overlap_chunks, check_schedule
 from ds_plugins.groups import ParmGroups, check_layout
 from ds_plugins.schedules import SCHEDULES
 
@@ -66,12 +67,22 @@ class ParmMoE(MoE):
         if error is not None:
             raise ValueError(f"ParmMoE: {error}")
         check_tutel(use_tutel)
+        # The file's directory may be node-local, so one rank alone can refuse it: that refusal waits for
+        # set_deepspeed_parallelism, whose agreement makes every rank raise it (the others are the same on
+        # every rank: the constructor's arguments)
+        cache_error = None
+        if check_cost_cache_type(cost_cache) is not None:
+            try:
+                cost_cache_file.check(cost_cache)
+            except ValueError as e:
+                cache_error = f"ParmMoE: {e}"
         config = ParmConfig(enabled=True, schedule=schedule, overlap_chunks=overlap_chunks,
-                            skip_empty_slots=skip_empty_slots, debug=debug, cost_cache=cost_cache)
+                            skip_empty_slots=skip_empty_slots, debug=debug)
         super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
                          min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, use_tutel,
                          enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
         self._init_parm(config)
+        self.cost_cache, self._setup_error = cost_cache, cache_error
 
     @classmethod
     def from_moe(cls, moe: MoE, config: ParmConfig) -> ParmMoE:
@@ -92,6 +103,7 @@ class ParmMoE(MoE):
         self.skip_empty_slots = config.skip_empty_slots
         self.debug = config.debug
         self.cost_cache = config.cost_cache
+        self._setup_error: str | None = None
         self.parm_groups: ParmGroups | None = None
         self.last_schedule: str | None = None
 
@@ -119,7 +131,7 @@ class ParmMoE(MoE):
             check_layout(comm.size(torch.distributed.group.WORLD), tp, self.ep_size, self.num_experts)
             for expert in self.local_experts:
                 experts.check_shardable(expert, esp)
-            error = None
+            error = self._setup_error
         except ValueError as e:
             error = f"ParmMoE.set_deepspeed_parallelism: {e}"
         if self.expert_group_name not in ds_groups._get_expert_parallel_group_dict():

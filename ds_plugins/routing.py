@@ -75,6 +75,13 @@ def gating(gate: TopKGate, logits: torch.Tensor, used_token: torch.Tensor | None
     else:
         out = topkgating(logits, gate.k, cf, gate.min_capacity, gate.drop_tokens, None, sparse_routes=True)
     l_aux, capacity, _, indices, locations, gates, exp_counts = out
+    # Under bf16/fp16 autocast the gate GEMM and its softmax run in the low precision and the gates come
+    # out in it; they are widened here, once, so that the combine weights and sums each token's routes in
+    # fp32 as DeepSpeed's _sparse_decode intends ("gates is fp32, so the product and the sum over routes
+    # accumulate in fp32"), and the MP routing check compares fp32 words. The gates' values are the gate's,
+    # and their gradient flows back through the cast to the gate in its own dtype.
+    if gates.dtype in (torch.bfloat16, torch.float16):
+        gates = gates.float()
     return Routes(l_aux, int(capacity), indices, locations, gates, exp_counts)
 
 

@@ -7,12 +7,13 @@ different schedules (which would deadlock) and no forward issues a collective ou
 - the fitted costs: when the layer is set up (``set_deepspeed_parallelism``, which ``deepspeed.initialize``
   and ``ds_plugins.initialize`` call), every rank of the layer runs a short micro-benchmark (about a
   second): each collective the schedules use, on the layer's own process groups, at a few sizes
-  (FSMoE §6.2: fp32 buffers, median of a few runs, least-squares α and β); two collectives on different
+  (FSMoE §6.2: fp32 buffers, the fastest of a few runs, least-squares α and β); two collectives on different
   groups at once, for the overlap inefficiency γ; a GEMM, a copy and dispatch + combine forward and
   backward (called directly, without autograd), for the local work. The parameters are then MAX-reduced
   over the layer's MP and EP groups (the slowest rank sets a layer's pace; MAX is exact, so every rank
   holds bit-identical numbers), cached in this process per layout and, when ``cost_cache`` names a file,
-  in that JSON file (read only if every rank of the layer has it, and MAX-reduced all the same);
+  in that JSON file (ds_plugins.cost_cache: every rank reads it, and their outcomes are agreed before any
+  is used; a bad or uneven file is one warning on every rank, then the costs are measured);
 - the layer shape: the token count agreed by ds_plugins.agreement (never the local count alone), and the
   layer's configuration.
 
@@ -25,23 +26,26 @@ layer's first rank.
 
 from __future__ import annotations
 
-import json
 import os
-import statistics
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from commweave import comm, cost
-from ds_plugins import cost_model, experts, reference
+from ds_plugins import agreement, cost_cache, cost_model, experts, reference
 from ds_plugins.cost_model import LayerShape, OpCosts
 from ds_plugins.dispatch import backend, combine, dispatch
 
 SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 21)
 """fp32 elements per micro-benchmark buffer (256 KiB to 8 MiB)."""
-REPEATS = 3
+REPEATS = 5
+"""Timing runs per micro-benchmark point; the fastest counts. Other processes on the machine only ever add
+time to a run (a preempted rank, a busy core), so the minimum is the estimate that moves least with the
+machine's load; a median of 3 moved the fitted costs enough that "auto" picked S2 at load ~6 and S1 at
+load ~20 for one model (issue 23)."""
 
 _fitted: dict[str, OpCosts] = {}
 _decisions: dict[tuple, dict] = {}
@@ -116,7 +120,8 @@ class _Bench:
             get_accelerator().synchronize()
 
     def time(self, fn, groups=()) -> float:
-        """Median wall time of ``fn``; the ranks of ``groups`` line up (one-element all-reduces) first."""
+        """Fastest of :data:`REPEATS` wall times of ``fn``; the ranks of ``groups`` line up (one-element
+        all-reduces) before each."""
         times = []
         for _ in range(REPEATS):
             for group in groups:
@@ -126,7 +131,7 @@ class _Bench:
             fn()
             self._sync()
             times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return min(times)
 
     def collective(self, name: str) -> cost.AlphaBeta:
         """α-β of one modelled collective ("a2a@ep", "ag@esp", ...) on n bytes (the ledger's n)."""
@@ -204,27 +209,6 @@ def _from_tensor(t: torch.Tensor) -> OpCosts:
                     for i, op in enumerate(cost_model.OPS)}, overlap=min(max(v[-1], 0.0), 1.0))
 
 
-def _read_cache(path: str | None, key: str) -> OpCosts | None:
-    if path is None or not os.path.exists(path):
-        return None
-    with open(path) as f:
-        entry = json.load(f).get(key)
-    return None if entry is None else _from_tensor(torch.tensor(entry, dtype=torch.float64))
-
-
-def _write_cache(path: str, key: str, c: OpCosts) -> None:
-    """Add ``key`` to the JSON file, replaced atomically (the first ranks of several layers may write)."""
-    data = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            data = json.load(f)
-    data[key] = _to_tensor(c).tolist()
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
-
-
 def _max_over_layer(t: torch.Tensor, g) -> torch.Tensor:
     """MAX over the layer's MP then EP group: the same on every rank of the layer (ds_plugins.agreement)."""
     for group in (g.mp, g.ep):
@@ -251,22 +235,40 @@ def fitted_costs(g, cache_file: str | None = None, device: torch.device | None =
     key = layout_key(g)
     if key in _fitted:
         return _fitted[key]
-    cached = _read_cache(cache_file, key)
-    have = torch.tensor([0 if cached is None else 1], device=device)
-    if _max_over_layer(-have, g).item() < 0:                 # MIN: every rank of the layer has the file
-        params = _to_tensor(cached)
+    cached, problem = cost_cache.read(cache_file, key)
+    # Every rank's outcome agreed before any of it is used: a file that one rank cannot read, or reads
+    # differently, is the same warning on every rank of the layer, and they all measure (a rank that used
+    # the file while its peers measured would leave them waiting in the micro-benchmark's collectives).
+    message = agreement.relay(problem, (g.mp, g.ep), "parm cost_cache", entry=int(cached is not None))
+    if message is not None:
+        warnings.warn(f"parm: {message}; the file is ignored and the costs are measured on this run's "
+                      "groups", RuntimeWarning, stacklevel=2)
+        cached = None
+    if cached is not None:
+        params = torch.tensor(cached, dtype=torch.float64)
     else:
         with torch.no_grad(), _own_rng(device):
             params = _to_tensor(_Bench(g, device).measure())
     _fitted[key] = _from_tensor(_max_over_layer(params.to(device), g).cpu())
     if cache_file is not None and g.mp_rank == 0 and g.ep_rank == 0 and cached is None:
-        _write_cache(cache_file, key, _fitted[key])
+        cost_cache.write(cache_file, key, _to_tensor(_fitted[key]).tolist())
     return _fitted[key]
 
 
+def candidates(g) -> tuple[str, ...]:
+    """The schedules "auto" chooses from: every schedule computes the same function (ds_plugins.schedules),
+    so the choice is only speed. Without MP, S1 and S2 are one schedule; without MP and EP every schedule
+    is local work alone. The ``deepspeed`` order is a candidate too: it exchanges in one piece, and on the
+    issue-23 sweep it was the fastest Parm schedule in 23 of 54 cells (small layers, where the chunked
+    exchanges' extra latencies outweigh their overlap)."""
+    if g.mp_size > 1:
+        return ("deepspeed", "s1", "s2")
+    return ("deepspeed", "s2") if g.ep_size > 1 else ("s2",)
+
+
 def fit(layer) -> None:
-    """Fit the layer's layout at set-up (nothing to fit without MP: then S1 and S2 are one schedule)."""
-    if layer.parm_groups.mp_size > 1:
+    """Fit the layer's layout at set-up (nothing to fit when there is one candidate)."""
+    if len(candidates(layer.parm_groups)) > 1:
         fitted_costs(layer.parm_groups, layer.cost_cache, layer.gate.wg.weight.device)
 
 
@@ -282,27 +284,28 @@ def layer_shape(layer, tokens: int, dtype: torch.dtype) -> LayerShape:
 
 
 def choose(layer, tokens: int, dtype: torch.dtype) -> str:
-    """"s1" or "s2" for this layer and ``tokens`` agreed over its ranks (ds_plugins.agreement).
+    """The schedule (:func:`candidates`) for this layer and ``tokens`` agreed over its ranks
+    (ds_plugins.agreement) with the least predicted forward + backward time.
 
     A pure function of that agreed count, the layer's configuration and the costs fitted at set-up, so it
     is the same on every rank of the layer and issues no collective (unless the layer was switched to
     "auto" after its set-up: then the first call fits, on the layer's own groups).
     """
     g = layer.parm_groups
-    if g.mp_size == 1:
-        return "s2"  # without MP, S1 and S2 are the same schedule
+    options = candidates(g)
+    if len(options) == 1:
+        return options[0]
     sh = layer_shape(layer, tokens, dtype)
     key = (layout_key(g), sh)
     if key not in _decisions:
         costs = fitted_costs(g, layer.cost_cache, layer.gate.wg.weight.device)
-        t = {s: cost_model.predict(s, sh, costs).total for s in ("s1", "s2")}
+        t = {s: cost_model.predict(s, sh, costs).total for s in options}
         choice = min(t, key=t.get)
         _decisions[key] = {"choice": choice, "predicted_s": t}
         if g.mp_rank == 0 and g.ep_rank == 0:
             print(f"[parm] auto: {choice} for tokens={tokens} M={sh.hidden} H={sh.ffn} E={sh.experts} "
-                  f"k={sh.k} "
-                  f"cf={sh.capacity_factor} mp={sh.mp} esp={sh.esp} ep={sh.ep}: predicted forward+backward "
-                  f"s1 {t['s1'] * 1e3:.2f} ms, s2 {t['s2'] * 1e3:.2f} ms", flush=True)
+                  f"k={sh.k} cf={sh.capacity_factor} mp={sh.mp} esp={sh.esp} ep={sh.ep}: predicted "
+                  "forward+backward " + ", ".join(f"{s} {v * 1e3:.2f} ms" for s, v in t.items()), flush=True)
     return _decisions[key]["choice"]
 
 

@@ -10,6 +10,13 @@ NCCL/GLOO environment it saw, the TCP connections its WAN groups opened, and the
 
 The model is HIDDEN-wide Linear+Tanh layers seeded per layer (``seed_fn=torch.manual_seed``), so
 any partition into stages builds the same weights as :func:`reference_losses`.
+
+``--variants stock,1:spatial,8:temporal,...`` times the same engine under each WAN setting in turn
+(``stock``: DeepSpeed's own p2p; ``K:MODE``: ATLAS with K connections and MODE sharing, undone after):
+``--warmup`` untimed steps, then ``--steps`` timed ones, and every instruction of DeepSpeed's engine
+timed on every rank (compute, send/recv waits, the reduce and optimizer step). ``--hidden`` and
+``--micro-batch`` set the activation each micro-batch sends: micro-batch x hidden x 4 bytes (fp32).
+benchmarks/atlas_calibration.py runs this on the emulated WAN and compares it with the simulator.
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -26,17 +35,18 @@ from torch import nn
 HIDDEN, LAYERS, MICRO_BATCH, LR, BASE_SEED = 16, 4, 2, 0.1, 1234
 
 
-def layer_factories() -> list:
+def layer_factories(hidden: int = HIDDEN) -> list:
     out = []
     for _ in range(LAYERS):
-        out += [(nn.Linear, HIDDEN, HIDDEN), (nn.Tanh,)]
+        out += [(nn.Linear, hidden, hidden), (nn.Tanh,)]
     return out
 
 
-def micro_batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def micro_batch(step: int, index: int, hidden: int = HIDDEN, rows: int = MICRO_BATCH
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Micro-batch ``index`` (over the whole global batch) of ``step``: inputs and regression targets."""
     g = torch.Generator().manual_seed(10_000 * step + index)
-    x = torch.randn(MICRO_BATCH, HIDDEN, generator=g)
+    x = torch.randn(rows, hidden, generator=g)
     return x, torch.sin(x.flip(-1))
 
 
@@ -62,9 +72,8 @@ def reference_losses(steps: int, micro_batches: int, lr: float = LR) -> list[flo
     return losses
 
 
-def train(steps: int, plan, wan_setup=None) -> list[float]:
-    """DeepSpeed pipeline training on an initialised process group; ``wan_setup(plan)`` may enable
-    ATLAS after the engine exists (it returns a handle with ``undo()``)."""
+def engine_for(plan, hidden: int = HIDDEN, rows: int = MICRO_BATCH):
+    """The DeepSpeed PipelineEngine of the plan's layout (on an initialised process group)."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.pipe import LayerSpec, PipelineModule
@@ -72,24 +81,76 @@ def train(steps: int, plan, wan_setup=None) -> list[float]:
     from launch.run.runtime import pipe_topology
 
     deepspeed.init_distributed(dist_backend=dist.get_backend())   # adopts the existing process group
-    specs = [LayerSpec(cls, *args) for cls, *args in layer_factories()]
+    specs = [LayerSpec(cls, *args) for cls, *args in layer_factories(hidden)]
     model = PipelineModule(specs, topology=pipe_topology(plan), loss_fn=nn.MSELoss(),
                            partition_method="uniform", seed_layers=True, seed_fn=torch.manual_seed,
                            base_seed=BASE_SEED)
     m = plan.micro_batches
-    config = {"train_batch_size": MICRO_BATCH * m * plan.dp, "train_micro_batch_size_per_gpu": MICRO_BATCH,
+    config = {"train_batch_size": rows * m * plan.dp, "train_micro_batch_size_per_gpu": rows,
               "gradient_accumulation_steps": m, "steps_per_print": 10**9, "wall_clock_breakdown": False}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    return engine
+
+
+def _step(engine, plan, step: int, hidden: int, rows: int) -> float:
+    m, replica = plan.micro_batches, engine.grid.get_data_parallel_id()
+    batches = iter([micro_batch(step, replica * m + i, hidden, rows) for i in range(m)])
+    return float(engine.train_batch(data_iter=batches))
+
+
+def train(steps: int, plan, wan_setup=None) -> list[float]:
+    """DeepSpeed pipeline training on an initialised process group; ``wan_setup(plan)`` may enable
+    ATLAS after the engine exists (it returns a handle with ``undo()``)."""
+    engine = engine_for(plan)
     handle = wan_setup(plan) if wan_setup is not None else None
-    replica = engine.grid.get_data_parallel_id()
-    losses = []
-    for step in range(steps):
-        batches = iter([micro_batch(step, replica * m + i) for i in range(m)])
-        losses.append(float(engine.train_batch(data_iter=batches)))
+    losses = [_step(engine, plan, step, HIDDEN, MICRO_BATCH) for step in range(steps)]
     if handle is not None:
         handle.undo()
     return losses
+
+
+def time_instructions(engine, seconds: dict[str, list[float]]) -> None:
+    """Time every instruction DeepSpeed's engine executes, by instruction name, into ``seconds``.
+    The engine looks its instructions up in ``self._INSTRUCTION_MAP``: an instance copy wraps them."""
+
+    def timed(name, fn):
+        def run(self, **kwargs):
+            t0 = time.perf_counter()
+            fn(self, **kwargs)
+            seconds.setdefault(name, []).append(time.perf_counter() - t0)
+        return run
+
+    engine._INSTRUCTION_MAP = {cls: timed(cls.__name__, fn) for cls, fn in engine._INSTRUCTION_MAP.items()}
+
+
+def measure(plan, variants: list[str], steps: int, warmup: int, hidden: int, rows: int,
+            enable) -> dict:
+    """Per variant: this rank's seconds per ``train_batch`` and per engine instruction (timed steps only)."""
+    engine = engine_for(plan, hidden, rows)
+    out, step = {}, 0
+    for variant in variants:
+        handle = None
+        if variant != "stock":
+            k, mode = variant.split(":")
+            handle = enable(plan, int(k), mode)
+        for _ in range(warmup):
+            _step(engine, plan, step, hidden, rows)
+            step += 1
+        seconds: dict[str, list[float]] = {}
+        time_instructions(engine, seconds)
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            _step(engine, plan, step, hidden, rows)
+            times.append(time.perf_counter() - t0)
+            step += 1
+        del engine._INSTRUCTION_MAP          # back to the class's map
+        if handle is not None:
+            handle.undo()
+        out[variant] = {"step_s": times, "ops": {k: statistics.median(v) for k, v in seconds.items()},
+                        "op_count": {k: len(v) for k, v in seconds.items()}}
+    return out
 
 
 def main() -> None:
@@ -99,7 +160,22 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="directory for rank<N>.json")
     ap.add_argument("--reference", type=int, default=0, metavar="M",
                     help="print the single-process losses for M micro-batches per step and exit")
+    ap.add_argument("--variants", default=None,
+                    help="comma list of stock and K:spatial|temporal to time in turn (see the docstring)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps before each variant's timed steps")
+    ap.add_argument("--hidden", type=int, default=HIDDEN)
+    ap.add_argument("--micro-batch", type=int, default=MICRO_BATCH, help="rows per micro-batch")
     args = ap.parse_args()
+    for name in ("steps", "hidden", "micro_batch"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup {args.warmup}: must be >= 0")
+    variants = args.variants.split(",") if args.variants else None
+    from launch.plan.calibrated import WanSetting
+
+    for v in variants or ():
+        WanSetting.parse(v)           # ValueError naming the setting and the rule
     if args.reference:
         print(json.dumps(reference_losses(args.steps, args.reference)))
         return
@@ -130,7 +206,16 @@ def main() -> None:
         report["wan_connections_opened"] = established_connections(far) - before
         return handle
 
-    report["losses"] = train(args.steps, plan, enable)
+    if variants:
+        def enable_variant(plan, k, mode):
+            dist.barrier()
+            return atlas.enable_deepspeed(plan, connections=k, sharing=mode)
+
+        report["variants"] = measure(plan, variants, args.steps, args.warmup, args.hidden, args.micro_batch,
+                                     enable_variant)
+        report["act_bytes"] = args.micro_batch * args.hidden * 4
+    else:
+        report["losses"] = train(args.steps, plan, enable)
     report["micro_batches"] = plan.micro_batches * plan.dp
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

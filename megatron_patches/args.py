@@ -16,6 +16,7 @@ every rank alike. To chain with another provider: ``lambda p: add_wallfacer_args
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import warnings
@@ -25,7 +26,10 @@ from commweave import comm
 from megatron_patches.block import KERNELS
 from megatron_patches.hybrid import ulysses_error
 from megatron_patches.layout import LAYOUTS, team_size_error
-from megatron_patches.placement import NETWORKS, PLACEMENTS, Topology
+from megatron_patches.placement import PLACEMENTS, Topology
+from megatron_patches.profile import load, profile_path
+from megatron_patches.specs import KERNELS as SPEC_KERNELS
+from megatron_patches.specs import PAYLOAD, spec_profile
 from megatron_patches.wallfacer import BACKWARDS, TEAM_QKV
 
 CP_COMM_TYPES = (None, "p2p", "wallfacer")
@@ -60,9 +64,14 @@ class WallFacerConfig:
     latency_us: tuple[float, float] = (3.0, 10.0)
     """µs of the intra-node link and of the network."""
     tflops: float = 989.0
-    """Dense bf16 TFLOP/s of one rank (for "auto"; placement.Calibration says what attention gets)."""
+    """Dense bf16 TFLOP/s of one rank (for "auto" without a profile; specs.py)."""
     network: str = "ib"
-    """ib (RDMA: InfiniBand, RoCE) or ethernet (TCP sockets), for "auto" (placement.Calibration)."""
+    """ib (RDMA: InfiniBand, RoCE) or ethernet (TCP sockets), for "auto" without a profile (specs.py)."""
+    kernel_efficiency: str = "fa2-h100"
+    """The attention kernel's published efficiency range (specs.KERNELS), for "auto" without a profile."""
+    profile: str | None = None
+    """A cost profile (profile.py, from ``python -m megatron_patches.estimate --calibrate``) for "auto";
+    None: $COMMWEAVE_WALLFACER_PROFILE, else the spec model of the cluster fields above (auto says so)."""
     layout: str = "zigzag"
     """Which tokens each CP rank holds: zigzag (Megatron's get_batch_on_this_cp_rank, and per document for
     packed batches: get_thd_batch_on_this_cp_rank / packed_batch.get_packed_batch_on_this_cp_rank) or
@@ -77,7 +86,8 @@ class WallFacerConfig:
         if self.team_size != "auto" and (not isinstance(self.team_size, int) or self.team_size < 1):
             raise ValueError(f"wallfacer team_size={self.team_size!r} must be an int >= 1 or 'auto'")
         for name, allowed in (("placement", PLACEMENTS), ("kernel", KERNELS), ("backward", BACKWARDS),
-                              ("team_qkv", TEAM_QKV), ("network", tuple(NETWORKS)), ("layout", LAYOUTS)):
+                              ("team_qkv", TEAM_QKV), ("network", tuple(PAYLOAD)), ("layout", LAYOUTS),
+                              ("kernel_efficiency", tuple(SPEC_KERNELS))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"wallfacer {name}={getattr(self, name)!r} is not one of {allowed}")
         if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int)
@@ -90,6 +100,8 @@ class WallFacerConfig:
                              f"must be > 0, latencies {lat} us (2 numbers) >= 0, all finite")
         if self.timeout_s is not None:
             comm.check_seconds(self.timeout_s, "--commweave-timeout-s")
+        if self.profile is not None:
+            _load(self.profile)  # a bad profile is refused here, on every rank, before any communication
         if self.ulysses_size != "auto" and (not isinstance(self.ulysses_size, int)
                                             or isinstance(self.ulysses_size, bool) or self.ulysses_size < 1):
             raise ValueError(f"wallfacer ulysses_size={self.ulysses_size!r} must be an int >= 1 or 'auto'")
@@ -108,9 +120,14 @@ class WallFacerConfig:
         return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
     def topology(self, world_size: int) -> Topology:
+        """The cost model "auto" plans with: the profile (profile_path) if one is named, else the spec
+        profile of the cluster fields (bandwidths, latencies, TFLOP/s, network, kernel efficiency)."""
+        path = profile_path(self.profile)
+        if path:
+            return Topology.from_profile(_load(path), self.node_size(world_size))
         intra, node, rank = self.bandwidth_gbytes
-        return Topology.from_specs(self.node_size(world_size), intra, node, *self.latency_us, self.tflops,
-                                   rank_nic_gbytes=rank, calib=NETWORKS[self.network])
+        return Topology.from_profile(spec_profile(self.node_size(world_size), intra, node, rank, *self.latency_us,
+                                                  self.tflops, self.network, self.kernel_efficiency))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WallFacerConfig:
@@ -151,8 +168,15 @@ class WallFacerConfig:
                    ranks_per_node=args.wallfacer_ranks_per_node,
                    bandwidth_gbytes=tuple(args.wallfacer_bandwidth), latency_us=tuple(args.wallfacer_latency),
                    tflops=args.wallfacer_tflops, network=args.wallfacer_network,
+                   kernel_efficiency=getattr(args, "wallfacer_kernel_efficiency", "fa2-h100"),
+                   profile=getattr(args, "wallfacer_profile", None),
                    layout=getattr(args, "wallfacer_layout", "zigzag"), context_parallel_size=p,
                    timeout_s=getattr(args, "commweave_timeout_s", None))
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str):
+    return load(path)
 
 
 def _team_size(value: str) -> int | str:
@@ -202,8 +226,13 @@ def add_wallfacer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    metavar=("INTRA", "NIC"), help="Latency in µs of the same links, for auto.")
     g.add_argument("--wallfacer-tflops", type=float, default=d.tflops,
                    help="Dense bf16 TFLOP/s per GPU, for auto.")
-    g.add_argument("--wallfacer-network", choices=tuple(NETWORKS), default=d.network,
+    g.add_argument("--wallfacer-network", choices=tuple(PAYLOAD), default=d.network,
                    help="ib (RDMA) or ethernet (TCP sockets), for auto.")
+    g.add_argument("--wallfacer-kernel-efficiency", choices=tuple(SPEC_KERNELS), default=d.kernel_efficiency,
+                   help="The attention kernel's published efficiency range, for auto without a profile.")
+    g.add_argument("--wallfacer-profile", default=d.profile,
+                   help="Cost profile for auto (python -m megatron_patches.estimate --calibrate writes one; "
+                        "default $COMMWEAVE_WALLFACER_PROFILE, else the spec model of the flags above).")
     g.add_argument("--commweave-timeout-s", type=_seconds, default=d.timeout_s,
                    help="Seconds any wait of commweave's communication may take before it raises, naming the "
                         "operation and the peer (default: COMMWEAVE_TIMEOUT_S, else 300).")

@@ -35,7 +35,7 @@ from megatron_patches import packing
 from megatron_patches.args import CP_COMM_TYPES, WallFacerConfig
 from megatron_patches.block import acc_dtype
 from megatron_patches.checks import check_inputs
-from megatron_patches.estimate import Plan, choose_hybrid
+from megatron_patches.estimate import Plan, choose_hybrid, ranked, reason
 from megatron_patches.layout import team_size_error
 from megatron_patches.placement import nodes_of
 from megatron_patches.volume import Shard
@@ -78,10 +78,20 @@ def plan_layout(cfg: WallFacerConfig, cp_ranks: list[int], world_size: int, q_sh
     s, b, h, d = q_shape
     sh = Shard(s, b, h, kv_heads, d, dtype.itemsize, acc_dtype(dtype).itemsize)
     nodes = nodes_of(cp_ranks, cfg.node_size(world_size))
-    auto = "auto" in (cfg.team_size, cfg.placement, cfg.ulysses_size)
-    return choose_hybrid(len(cp_ranks), sh, nodes, cfg.topology(world_size) if auto else None, causal,
-                         ulysses_size=cfg.ulysses_size, team_size=cfg.team_size, placement=cfg.placement,
-                         layout=cfg.layout)
+    if "auto" not in (cfg.team_size, cfg.placement, cfg.ulysses_size):
+        return choose_hybrid(len(cp_ranks), sh, nodes, None, causal, ulysses_size=cfg.ulysses_size,
+                             team_size=cfg.team_size, placement=cfg.placement, layout=cfg.layout)
+    topo = cfg.topology(world_size)
+    plans = ranked(len(cp_ranks), sh, nodes, topo, causal, ulysses_size=cfg.ulysses_size,
+                   team_size=cfg.team_size, placement=cfg.placement, layout=cfg.layout)
+    said = (cfg, tuple(cp_ranks), tuple(q_shape), kv_heads, str(dtype), causal)
+    if said not in _SAID and (not dist.is_initialized() or dist.get_rank() == cp_ranks[0]):
+        _SAID.add(said)  # once per setting and shape, by the CP group's first rank
+        print(reason(plans, topo), flush=True)
+    return plans[0]
+
+
+_SAID: set = set()
 
 
 class WallFacerAttention(MegatronModule):

@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 from dataclasses import dataclass, replace
 
 from commweave.cost import AlphaBeta
 from megatron_patches.hybrid import ulysses_error
 from megatron_patches.layout import Layout, team_size_error, valid_team_sizes
-from megatron_patches.placement import BWD_FLOPS, NETWORKS, ORDERS, Topology, choose, estimate, nodes_of
+from megatron_patches.placement import ORDERS, Topology, choose, estimate, nodes_of
+from megatron_patches.profile import Profile, load
+from megatron_patches.specs import KERNELS, PAYLOAD, spec_profile
 from megatron_patches.volume import Shard
 
 
@@ -46,16 +50,27 @@ class Cluster:
     network: str = "ib"
     nics_per_node: int | None = None
     intra_latency_us: float = 3.0
+    kernel: str = "fa2-h100"
+    profile: Profile | None = None  # a calibrated profile replaces every spec number above but gpus
+    profile_path: str | None = None  # where it was read (for the flags auto is told)
 
     def __post_init__(self) -> None:
-        if self.gpus < 1 or self.gpus_per_node < 1 or self.gpus % min(self.gpus, self.gpus_per_node):
+        for name in ("gpus", "gpus_per_node") + (("nics_per_node",) if self.nics_per_node is not None else ()):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {value} must be an integer >= 1")
+        if self.gpus % min(self.gpus, self.gpus_per_node):
             raise ValueError(f"--gpus {self.gpus} must be a positive multiple of --gpus-per-node "
                              f"{self.gpus_per_node} (or fewer than one node)")
-        if min(self.intra_gbytes, self.inter_gbits, self.tflops) <= 0 or min(self.latency_us,
-                                                                            self.intra_latency_us) < 0:
-            raise ValueError("bandwidths and --tflops must be > 0, --latency-us and --intra-latency-us >= 0")
-        if self.network not in NETWORKS:
-            raise ValueError(f"--network {self.network!r} is not one of {sorted(NETWORKS)}")
+        for flag, value, low in (("--intra-GBps", self.intra_gbytes, 0), ("--inter-Gbps", self.inter_gbits, 0),
+                                 ("--tflops", self.tflops, 0), ("--latency-us", self.latency_us, None),
+                                 ("--intra-latency-us", self.intra_latency_us, None)):
+            if not math.isfinite(value) or (value <= 0 if low == 0 else value < 0):
+                raise ValueError(f"{flag} {value} must be finite and {'> 0' if low == 0 else '>= 0'}")
+        if self.network not in PAYLOAD:
+            raise ValueError(f"--network {self.network!r} is not one of {sorted(PAYLOAD)}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"--kernel {self.kernel!r} is not one of {sorted(KERNELS)}")
 
     @property
     def nics(self) -> int:
@@ -63,11 +78,13 @@ class Cluster:
             return self.nics_per_node
         return self.gpus_per_node if self.network == "ib" else 1
 
-    def topology(self) -> Topology:
+    def spec(self) -> Profile:
         node = self.inter_gbits / 8
-        return Topology.from_specs(self.gpus_per_node, self.intra_gbytes, node, self.intra_latency_us,
-                                   self.latency_us, self.tflops, rank_nic_gbytes=node / self.nics,
-                                   calib=NETWORKS[self.network])
+        return spec_profile(self.gpus_per_node, self.intra_gbytes, node, node / self.nics, self.intra_latency_us,
+                            self.latency_us, self.tflops, self.network, self.kernel)
+
+    def topology(self) -> Topology:
+        return Topology.from_profile(self.profile or self.spec(), self.gpus_per_node)
 
     def nodes(self) -> list[int]:
         return nodes_of(range(self.gpus), self.gpus_per_node)
@@ -75,11 +92,14 @@ class Cluster:
     def wallfacer_flags(self) -> list[str]:
         """The ``--wallfacer-*`` cluster arguments under which WallFacerAttention's "auto" uses this
         topology (args.WallFacerConfig.topology equals :meth:`topology`)."""
+        if self.profile_path:
+            return ["--wallfacer-ranks-per-node", f"{self.gpus_per_node}", "--wallfacer-profile", self.profile_path]
         node = self.inter_gbits / 8
         return ["--wallfacer-ranks-per-node", f"{self.gpus_per_node}",
                 "--wallfacer-bandwidth", *(f"{x:.12g}" for x in (self.intra_gbytes, node, node / self.nics)),
                 "--wallfacer-latency", f"{self.intra_latency_us:.12g}", f"{self.latency_us:.12g}",
-                "--wallfacer-tflops", f"{self.tflops:.12g}", "--wallfacer-network", self.network]
+                "--wallfacer-tflops", f"{self.tflops:.12g}", "--wallfacer-network", self.network,
+                "--wallfacer-kernel-efficiency", self.kernel]
 
 
 @dataclass(frozen=True)
@@ -95,6 +115,10 @@ class Model:
     elt: int = 2
 
     def __post_init__(self) -> None:
+        for name in ("hidden", "heads", "seq", "batch") + (("kv_heads",) if self.kv_heads is not None else ()):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {value} must be an integer >= 1")
         kv = self.kv_heads or self.heads
         if self.hidden % self.heads or self.heads % kv:
             raise ValueError(f"--hidden {self.hidden} must divide by --heads {self.heads}, and --heads by "
@@ -135,8 +159,10 @@ def _all_to_all(sh: Shard, u: int, nodes: list[int], topo: Topology) -> float:
     n = 4 * (sh.a_q + sh.s * sh.b * _wire_kv_heads(sh, u) * sh.d) * sh.elt
     group_nodes = nodes[:u]
     per_node = group_nodes.count(group_nodes[0])
-    if per_node == u:
-        return 4 * (u - 1) * topo.intra.alpha + topo.intra.beta * n * (u - 1) / u
+    if per_node == u:  # four all-to-all calls (q/k/v, O, dO, dq/dk/dv): the profile's α_U and efficiency
+        return 3 * topo.profile.collective("all_to_all", u).alpha_s + topo.collective("all_to_all", u, n)
+    if topo.nic is None:
+        raise ValueError("the profile has no inter-node link: calibrate on two or more nodes")
     # Across nodes: the node's NICs carry every local rank's share that leaves the node.
     inter = n * (u - per_node) / u * per_node * topo.nic.beta
     intra = n * (per_node - 1) / u * topo.intra.beta
@@ -149,8 +175,32 @@ def _hybrid_parts(sh: Shard, u: int, nodes: list[int], topo: Topology | None):
     group sees the same ones, and every rank plans alike."""
     inner = Shard(sh.s * u, sh.b, sh.hq // u, max(sh.hkv // u, 1), sh.d, sh.elt, sh.acc)
     sub_nodes = nodes[::u]
-    shared = None if topo is None else replace(topo, nic=AlphaBeta(topo.nic.alpha, topo.nic.beta * u))
+    shared = topo if topo is None or topo.nic is None else \
+        replace(topo, nic=AlphaBeta(topo.nic.alpha, topo.nic.beta * u))
     return inner, sub_nodes, shared
+
+
+def plan_s(world: int, sh: Shard, nodes: list[int], topo: Topology, u: int, c: int, order: str,
+           causal: bool = True, layout: str = "zigzag") -> float:
+    """Seconds of one given (U, C, slot order): WallFacer over the P/U groups plus the head all-to-alls."""
+    inner, sub_nodes, shared = _hybrid_parts(sh, u, nodes, topo)
+    p = world // u
+    lay = Layout(p, c, ORDERS[order](p, c), layout)
+    return estimate(lay, inner, sub_nodes, shared, causal) + _all_to_all(sh, u, nodes, topo)
+
+
+def candidates(world: int, sh: Shard, nodes: list[int]) -> list[tuple[int, int, str]]:
+    """Every (U, C, order) auto chooses among, each order once where it is a different layout."""
+    out = []
+    for u in [1, *hybrid_sizes(world, sh, nodes)]:
+        p = world // u
+        for c in valid_team_sizes(p):
+            seen = set()
+            for name, order in ORDERS.items():
+                if order(p, c) not in seen:
+                    seen.add(order(p, c))
+                    out.append((u, c, name))
+    return out
 
 
 def plan(world: int, sh: Shard, nodes: list[int], topo: Topology | None, u: int,
@@ -189,9 +239,8 @@ def ulysses_s(world: int, sh: Shard, nodes: list[int], topo: Topology, causal: b
     if sh.hq % world or (sh.hkv % world and world % sh.hkv):
         return None
     kv = Shard(sh.s, sh.b, sh.hq, max(sh.hkv, world), sh.d, sh.elt, sh.acc)
-    n_rows = sh.s * world
-    flops = 4 * sh.b * (sh.hq // world) * n_rows ** 2 * sh.d * (0.5 if causal else 1.0)
-    attn = (1 + BWD_FLOPS) * topo.calib.kernel_s(flops, n_rows, topo.flops)
+    n_rows, per = sh.s * world, sh.b * (sh.hq // world) * sh.d
+    attn = sum(topo.call_s(n_rows, n_rows, causal, per, backward) for backward in (False, True))
     return attn + _all_to_all(kv, world, nodes, topo)
 
 
@@ -209,17 +258,12 @@ def plans(world: int, sh: Shard, nodes: list[int], topo: Topology, causal: bool 
             for u in [1, *hybrid_sizes(world, sh, nodes)] for c in valid_team_sizes(world // u)]
 
 
-def choose_hybrid(world: int, sh: Shard, nodes: list[int], topo: Topology | None, causal: bool = True, *,
-                  ulysses_size: int | str = "auto", team_size: int | str = "auto",
-                  placement: str = "auto", layout: str = "zigzag") -> Plan:
-    """WallFacerAttention's choice for one CP group (``nodes``: each CP rank's node; ``sh``: one rank's
-    shard as Megatron hands it): the fastest plan among the U allowed ("auto": 1 and hybrid_sizes) and
-    the team sizes allowed ("auto": every valid C, else the given C where it is valid for P/U), each
-    with ``placement``'s order. A pure function of its arguments: every rank makes the same choice.
-    ``topo`` may be None when nothing is "auto". Ties go to the smaller U, then the smaller C.
-    """
+def ranked(world: int, sh: Shard, nodes: list[int], topo: Topology | None, causal: bool = True, *,
+           ulysses_size: int | str = "auto", team_size: int | str = "auto", placement: str = "auto",
+           layout: str = "zigzag") -> list[Plan]:
+    """Every plan choose_hybrid considers, fastest first (ties: the smaller U, then the smaller C)."""
     if ulysses_size != "auto":
-        return plan(world, sh, nodes, topo, ulysses_size, team_size, placement, causal, layout)
+        return [plan(world, sh, nodes, topo, ulysses_size, team_size, placement, causal, layout)]
     if topo is None:
         raise ValueError("ulysses_size='auto' needs a Topology for the cost model")
     candidates = []
@@ -229,14 +273,40 @@ def choose_hybrid(world: int, sh: Shard, nodes: list[int], topo: Topology | None
                        for c in sizes if team_size_error(world // u, c) is None]
     if not candidates:
         raise ValueError(team_size_error(world, team_size))
-    return min(candidates, key=lambda p: p.seconds)
+    return sorted(candidates, key=lambda p: (p.seconds, p.ulysses_size, p.team_size))
+
+
+def choose_hybrid(world: int, sh: Shard, nodes: list[int], topo: Topology | None, causal: bool = True, *,
+                  ulysses_size: int | str = "auto", team_size: int | str = "auto",
+                  placement: str = "auto", layout: str = "zigzag") -> Plan:
+    """WallFacerAttention's choice for one CP group (``nodes``: each CP rank's node; ``sh``: one rank's
+    shard as Megatron hands it): the fastest plan among the U allowed ("auto": 1 and hybrid_sizes) and
+    the team sizes allowed ("auto": every valid C, else the given C where it is valid for P/U), each
+    with ``placement``'s order. A pure function of its arguments: every rank makes the same choice.
+    ``topo`` may be None when nothing is "auto". Ties go to the smaller U, then the smaller C.
+    """
+    return ranked(world, sh, nodes, topo, causal, ulysses_size=ulysses_size, team_size=team_size,
+                  placement=placement, layout=layout)[0]
+
+
+def reason(plans: list[Plan], topo: Topology, top: int = 3) -> str:
+    """Why auto chose its plan: the profile it priced with and the ``top`` fastest candidates."""
+    prof = topo.profile
+    src = (f"measured profile: {prof.description}" if prof.source == "measured" else
+           f"no measured profile, so the stated default, the spec model of the cluster flags: {prof.description}; "
+           f"--wallfacer-profile or $COMMWEAVE_WALLFACER_PROFILE names one that "
+           f"python -m megatron_patches.estimate --calibrate writes")
+    rows = "; ".join(f"U={p.ulysses_size} C={p.team_size} {p.order} {1e3 * p.seconds:.3g} ms" for p in plans[:top])
+    return (f"WallFacer auto picks U={plans[0].ulysses_size}, C={plans[0].team_size}, {plans[0].order} "
+            f"({src}); fastest predicted: {rows}")
 
 
 def dense_layer_s(cluster: Cluster, model: Model, recompute: bool = True) -> float:
     """One transformer layer's GEMMs per rank, forward + backward (+ a recomputed forward, as the paper's
-    checkpointing does): 24·s·b·H² FLOPs a pass (QKV, output, a 4H MLP), at 60% of the dense peak."""
+    checkpointing does): 24·s·b·H² FLOPs a pass (QKV, output, a 4H MLP), at the profile's GEMM throughput."""
     s = model.seq // cluster.gpus
-    return (4 if recompute else 3) * 24 * s * model.batch * model.hidden ** 2 / (0.6 * cluster.tflops * 1e12)
+    gemm = cluster.topology().profile.gemm_tflops
+    return (4 if recompute else 3) * 24 * s * model.batch * model.hidden ** 2 / (gemm * 1e12)
 
 
 def report(cluster: Cluster, model: Model) -> dict:
@@ -260,11 +330,11 @@ def report(cluster: Cluster, model: Model) -> dict:
 
 
 def _print(cluster: Cluster, model: Model, rep: dict) -> None:
-    print(f"PROJECTION (calibrated alpha-beta model, not a measurement): one attention layer forward + "
-          f"backward, {cluster.gpus} GPUs ({cluster.gpus_per_node}/node, {cluster.intra_gbytes:g} GB/s "
-          f"intra, {cluster.inter_gbits:g} Gb/s {cluster.network} per node), {model.seq} tokens, "
-          f"{model.heads} heads ({model.kv_heads or model.heads} K/V) x {model.hidden // model.heads}, "
-          f"{'causal' if model.causal else 'no mask'}")
+    prof = cluster.topology().profile
+    print(f"PROJECTION (cost model, not a measurement; profile: {prof.source}, {prof.description}): one "
+          f"attention layer forward + backward, {cluster.gpus} GPUs ({cluster.gpus_per_node}/node), "
+          f"{model.seq} tokens, {model.heads} heads ({model.kv_heads or model.heads} K/V) x "
+          f"{model.hidden // model.heads}, {'causal' if model.causal else 'no mask'}")
     ring = next(p for p in rep["plans"] if (p.ulysses_size, p.team_size) == (1, 1))
     rows = [("ring attention (C=1)", ring)]
     if rep["ulysses_s"] is not None:
@@ -289,8 +359,17 @@ def _print(cluster: Cluster, model: Model, rep: dict) -> None:
           f"C={auto['team_size']} ({auto['order']})")
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> dict | None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--calibrate" in argv:  # measure a profile (calibrate.py has its own flags)
+        from megatron_patches import calibrate
+
+        return calibrate.main([x for x in argv if x != "--calibrate"])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's profile instead (python -m megatron_patches.calibrate -h)")
+    p.add_argument("--profile", default=None,
+                   help="a cost profile (JSON, profile.py) instead of the spec flags below")
     p.add_argument("--gpus", type=int, default=16)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--intra-GBps", type=float, default=450.0, help="one GPU's link in a node, GB/s one way")
@@ -298,8 +377,10 @@ def main(argv=None) -> dict:
     p.add_argument("--latency-us", type=float, default=10.0, help="network latency per message")
     p.add_argument("--intra-latency-us", type=float, default=3.0, help="latency per message inside a node")
     p.add_argument("--tflops", type=float, default=989.0, help="one GPU's dense bf16 TFLOP/s")
-    p.add_argument("--network", choices=sorted(NETWORKS), default="ib",
-                   help="ib: RDMA (InfiniBand, RoCE); ethernet: TCP sockets (see placement.Calibration)")
+    p.add_argument("--network", choices=sorted(PAYLOAD), default="ib",
+                   help="ib: RDMA (InfiniBand, RoCE); ethernet: TCP sockets (payload share, specs.py)")
+    p.add_argument("--kernel", choices=sorted(KERNELS), default="fa2-h100",
+                   help="the attention kernel's published efficiency range (specs.py)")
     p.add_argument("--nics-per-node", type=int, default=None,
                    help="default: one per GPU on ib, 1 on ethernet")
     p.add_argument("--hidden", type=int, default=4096)
@@ -310,8 +391,10 @@ def main(argv=None) -> dict:
     p.add_argument("--no-causal", dest="causal", action="store_false")
     a = p.parse_args(argv)
     try:
-        cluster = Cluster(a.gpus, a.gpus_per_node, a.intra_GBps, a.inter_Gbps, a.latency_us, a.tflops,
-                          a.network, a.nics_per_node, a.intra_latency_us)
+        prof = load(a.profile) if a.profile else None
+        per_node = prof.ranks_per_node if prof and "--gpus-per-node" not in argv else a.gpus_per_node
+        cluster = Cluster(a.gpus, per_node, a.intra_GBps, a.inter_Gbps, a.latency_us, a.tflops,
+                          a.network, a.nics_per_node, a.intra_latency_us, a.kernel, prof, a.profile)
         model = Model(a.hidden, a.heads, a.kv_heads, a.seq, a.batch, a.causal)
         rep = report(cluster, model)
     except ValueError as e:

@@ -13,94 +13,112 @@ orders (layout.py: ``order[slot]`` = CP group rank) express the choice:
 
 Placements: ``contiguous`` is team_major; ``node-aware`` takes the order that moves fewer bytes
 between nodes (volume.py's bytes, node map only); ``auto`` also chooses C, C = 1 (ring attention)
-included, by the alpha-beta time of :func:`estimate`.
+included, by the time :func:`estimate` predicts from a cost profile (profile.py: measured by
+``python -m megatron_patches.estimate --calibrate``, or built from public specs, specs.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from commweave import cost
 from commweave.cost import AlphaBeta
+from megatron_patches import packing
 from megatron_patches.layout import Layout, valid_team_sizes
+from megatron_patches.profile import BWD_FLOPS, FWD_FLOPS, Profile
+from megatron_patches.rowmap import block_calls, team_rows
 from megatron_patches.volume import Shard, backward_bytes, choose_backward, forward_bytes
 
 PLACEMENTS = ("contiguous", "node-aware", "auto")
-BWD_FLOPS = 2.5  # FlashAttention-2's backward does 5 matmuls to the forward's 2
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """What the bare alpha-beta model leaves out, fitted so that it reproduces the paper's gains
-    (wallfacer.md §11: DiT on 32 A100 with 100 Gb/s Ethernet, +114%; GPT on 64 H100 with 8x400 Gb/s
-    InfiniBand, up to +77%; tests/megatron_patches/test_estimate.py holds the model to them).
-
-    - ``nic_efficiency``: the share of a node's network line rate that NCCL's flows reach together
-      (~0.8); ``flow_efficiency``: the share of its NIC's line rate *one* flow gets: ~0.8 with RDMA
-      (InfiniBand, RoCE), ~0.25 over TCP sockets (plain Ethernet, NCCL's socket transport), where
-      several concurrent flows are needed to fill the link. This is what lets WallFacer's placement
-      (many flows at once) beat ring attention's one flow per node boundary on Ethernet.
-    - ``link_efficiency``: the same for a rank's intra-node link (NVLink P2P reaches ~80%).
-    - ``overlap``: the share of the shorter of (block compute, hop) that hides behind the longer
-      one in a ring step; NCCL's kernels take SMs and memory bandwidth from the attention kernel.
-    - ``attn_efficiency`` and ``half_rows``: the attention kernel reaches ``attn_efficiency`` of the
-      dense peak on large blocks and half of that at ``half_rows`` query rows (launch and tail
-      effects of FlashAttention-2 on short blocks).
-    - ``step_overhead_s``: per ring step, what neither bytes nor FLOPs explain (launches, the host
-      loop, stream waits).
-    """
-
-    nic_efficiency: float = 0.8
-    flow_efficiency: float = 0.8
-    link_efficiency: float = 0.8
-    overlap: float = 0.8
-    attn_efficiency: float = 0.45
-    half_rows: int = 1024
-    step_overhead_s: float = 40e-6
-
-    def kernel_s(self, flops: float, rows: int, peak: float) -> float:
-        """Seconds of an attention kernel doing ``flops`` with ``rows`` query rows per block."""
-        return flops / (peak * self.attn_efficiency * rows / (rows + self.half_rows))
-
-    def step_s(self, compute: float, hop: float) -> float:
-        """One ring step: the hop in flight while the block is computed, overlapped imperfectly."""
-        return max(compute, hop) + (1 - self.overlap) * min(compute, hop) + self.step_overhead_s
-
-
-ETHERNET = Calibration(flow_efficiency=0.25)
-NETWORKS = {"ib": Calibration(), "ethernet": ETHERNET}
 
 
 @dataclass(frozen=True)
 class Topology:
-    """A two-level network: ``intra`` is one rank's link inside a node, ``nic`` a node's outside link
-    (all its NICs), ``flow`` the most one rank's message gets between nodes (its own NIC); the links'
-    bandwidths are the effective ones (line rate x the calibration's efficiencies)."""
+    """A two-level network and its ranks' kernels, as the cost model sees them (from a Profile):
+    ``intra`` one rank's link inside a node, ``nic`` a node's outside link (all its NICs), ``flow`` the
+    most one rank's message gets between nodes (its own NIC); ``nic`` and ``flow`` are None for a profile
+    of one node, which then prices nothing that crosses nodes (ValueError)."""
 
     ranks_per_node: int
     intra: AlphaBeta
-    nic: AlphaBeta
-    flow: AlphaBeta
-    flops: float  # dense bf16 FLOP/s of one rank (the peak; the calibration says how much attention gets)
-    calib: Calibration = Calibration()
+    nic: AlphaBeta | None
+    flow: AlphaBeta | None
+    profile: Profile
+
+    @classmethod
+    def from_profile(cls, profile: Profile, ranks_per_node: int | None = None) -> Topology:
+        inter = profile.inter
+        nic = None if inter is None else AlphaBeta(inter.alpha_s, 1 / (profile.node_gbytes * 1e9))
+        flow = None if inter is None else AlphaBeta(inter.alpha_s, inter.beta)
+        return cls(ranks_per_node or profile.ranks_per_node, AlphaBeta(profile.intra.alpha_s, profile.intra.beta),
+                   nic, flow, profile)
 
     @classmethod
     def from_specs(cls, ranks_per_node: int, intra_gbytes: float, nic_gbytes: float,
                    intra_us: float = 3.0, nic_us: float = 10.0, tflops: float = 300.0,
-                   rank_nic_gbytes: float | None = None, calib: Calibration | None = None) -> Topology:
-        """From line rates in GB/s (10⁹ bytes/s), µs and TFLOP/s; ``rank_nic_gbytes`` defaults to the
-        node's."""
-        if ranks_per_node < 1 or tflops <= 0:
-            raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 1 and tflops={tflops} > 0")
-        calib = calib or Calibration()
-        nic = AlphaBeta.from_link(nic_us * 1e-6, nic_gbytes * calib.nic_efficiency * 1e9)
-        one = nic_gbytes if rank_nic_gbytes is None else rank_nic_gbytes
-        flow = AlphaBeta.from_link(nic_us * 1e-6, one * calib.flow_efficiency * 1e9)
-        intra = AlphaBeta.from_link(intra_us * 1e-6, intra_gbytes * calib.link_efficiency * 1e9)
-        return cls(ranks_per_node, intra, nic, flow, tflops * 1e12, calib)
+                   rank_nic_gbytes: float | None = None, network: str = "ib",
+                   kernel: str = "fa2-a100") -> Topology:
+        """The spec model (specs.spec_profile) from line rates in GB/s, µs and peak TFLOP/s."""
+        from megatron_patches.specs import spec_profile
+
+        return cls.from_profile(spec_profile(ranks_per_node, intra_gbytes, nic_gbytes, rank_nic_gbytes,
+                                             intra_us, nic_us, tflops, network, kernel))
 
     def exchange(self, pairs, nodes, n: float) -> float:
-        return cost.exchange(self.intra, self.nic, pairs, nodes, n, self.flow)
+        crosses = any(nodes[s] != nodes[d] for s, d in pairs)
+        if crosses and self.nic is None:
+            raise ValueError(f"the profile ({self.profile.description or self.profile.source}) has no "
+                             f"inter-node link: calibrate on two or more nodes to plan across nodes")
+        return cost.exchange(self.intra, self.nic or self.intra, pairs, nodes, n, self.flow)
+
+    def collective(self, kind: str, g: int, n: float, link: AlphaBeta | None = None) -> float:
+        """``kind`` on g ranks, n = cost.py's bytes (all_gather: the gathered buffer; reduce_scatter and
+        all_to_all: one rank's input): the profile's α_g and efficiency on the intra link, or on
+        ``link`` (a NIC share) for a group across nodes, α per ring step there."""
+        if g <= 1:
+            return 0.0
+        c = self.profile.collective(kind, g)
+        if link is None:
+            return c.alpha_s + self.intra.beta * n * (g - 1) / g / c.efficiency
+        return (g - 1) * link.alpha + link.beta * n * (g - 1) / g / c.efficiency
+
+    def step_s(self, compute: float, hop: float) -> float:
+        """One ring step: the hop in flight while the block is computed; ``overlap`` (measured, or 1 from
+        the specs: a separate stream) is the share of the shorter hidden behind the longer."""
+        return max(compute, hop) + (1 - self.profile.overlap) * min(compute, hop)
+
+    def call_s(self, rows: int, keys: int, diag: bool, flops_per: float, backward: bool) -> float:
+        """One kernel call: FWD/BWD_FLOPS x its score entries x ``flops_per`` (= b·h·d) at the profile's
+        throughput for a call of that many score entries."""
+        scores = rows * (rows + 1) / 2 if diag else rows * keys
+        name = ("bwd" if backward else "fwd") + ("_causal" if diag else "")
+        per = BWD_FLOPS if backward else FWD_FLOPS
+        return per * scores * flops_per / (self.profile.attention[name].tflops(scores) * 1e12)
+
+
+@lru_cache(maxsize=256)
+def step_shapes(lay: Layout, s: int, causal: bool) -> tuple[tuple[tuple[tuple[int, int, bool], ...], ...], ...]:
+    """Per ring step, the distinct per-rank lists of kernel calls (rows, keys, diagonal) that the step's
+    ranks make (rowmap.block_calls on the dense layout: what wallfacer.py runs)."""
+    shards = packing.shards(packing.dense(lay.world * s), lay.layout, lay.world)
+    rows = [team_rows(tuple(shards[r] for r in lay.team_ranks(t))) for t in range(lay.teams)]
+    out = []
+    for i in range(lay.ring_len):
+        kinds = set()
+        for r in range(lay.world):
+            qt, kt = lay.team_of(r), lay.kv_team(r, i)
+            calls = block_calls(rows[qt], rows[kt], causal, qt == kt)
+            kinds.add(tuple(sorted((q1 - q0, k1 - k0, d) for q0, q1, k0, k1, d in calls)))
+        out.append(tuple(sorted(kinds)))
+    return tuple(out)
+
+
+def compute_steps(lay: Layout, sh: Shard, topo: Topology, causal: bool, backward: bool) -> list[float]:
+    """Seconds of each ring step's block on its slowest rank."""
+    per = sh.b * sh.hq * sh.d
+    return [max(sum(topo.call_s(r, k, d, per, backward) for r, k, d in calls) for calls in step)
+            for step in step_shapes(lay, sh.s, causal)]
 
 
 def team_major(world: int, team_size: int) -> tuple[int, ...]:
@@ -138,10 +156,14 @@ def inter_node_bytes(lay: Layout, sh: Shard, nodes: list[int]) -> int:
     return total
 
 
-def _team_link(lay: Layout, nodes: list[int], topo: Topology) -> AlphaBeta:
-    """Team collectives run on NVLink when every team is inside a node, else on a NIC share."""
+def _team_link(lay: Layout, nodes: list[int], topo: Topology) -> AlphaBeta | None:
+    """None (the profile's intra-node collectives) when every team is inside a node, else a NIC share:
+    the node's NIC divided among its ranks, no faster than one rank's own NIC."""
     if all(len({nodes[m] for m in lay.team_ranks(t)}) == 1 for t in range(lay.teams)):
-        return topo.intra
+        return None
+    if topo.nic is None:
+        raise ValueError(f"the profile ({topo.profile.description or topo.profile.source}) has no "
+                         f"inter-node link: calibrate on two or more nodes to plan teams across nodes")
     per_node = max(nodes.count(n) for n in set(nodes))
     return AlphaBeta(topo.nic.alpha, max(topo.nic.beta * per_node, topo.flow.beta))
 
@@ -149,46 +171,49 @@ def _team_link(lay: Layout, nodes: list[int], topo: Topology) -> AlphaBeta:
 def estimate(lay: Layout, sh: Shard, nodes: list[int], topo: Topology, causal: bool = True) -> float:
     """Seconds for one attention forward + backward: collectives, placement, and G overlapped steps.
 
-    A ring step computes one team block while the next hop is in flight (Calibration.step_s); C·s
-    query rows meet C·s keys per block, so the compute per step is 4·b·h·(C·s)²·d FLOPs (half of it
-    when causal) at the kernel's efficiency for C·s rows, ×2.5 in the backward.
+    Each ring step computes the kernel calls wallfacer.py makes for its team block (step_shapes), on the
+    slowest rank, while the next hop is in flight (Topology.step_s); the bytes of every message are
+    volume.py's (the ledger's), priced with the profile's links and collectives.
     """
     c, g, world = lay.team_size, lay.ring_len, lay.world
     e, acc = sh.elt, sh.acc
     link = _team_link(lay, nodes, topo)
-    flops = 4 * sh.b * sh.hq * (c * sh.s) ** 2 * sh.d * (0.5 if causal else 1.0)
-    step = topo.calib.kernel_s(flops, c * sh.s, topo.flops)
+    fwd_c = compute_steps(lay, sh, topo, causal, backward=False)
+    bwd_c = compute_steps(lay, sh, topo, causal, backward=True)
     ring = [(r, lay.ring_next(r)) for r in range(world)]
     place = [(r, lay.place_target(r)) for r in range(world)]
 
     def hop(n: float) -> float:
         return topo.exchange(ring, nodes, n) if g > 1 else 0.0
 
-    def steps(t_compute: float, t_hop: float) -> float:
-        return (g - 1) * topo.calib.step_s(t_compute, t_hop) + t_compute + topo.calib.step_overhead_s
+    def steps(blocks: list[float], t_hop: float) -> float:
+        return sum(topo.step_s(t, t_hop) for t in blocks[:-1]) + blocks[-1]
 
     def team(n_in: float) -> float:
-        return cost.all_gather(link, c * n_in, c)
+        return topo.collective("all_gather", c, c * n_in, link)
+
+    def scatter(n_in: float) -> float:
+        return topo.collective("reduce_scatter", c, n_in, link)
 
     mode = choose_backward(lay, sh)
     fwd = (team((sh.a_q + 2 * sh.a_kv) * e) + team(c * sh.rows * acc)
            + topo.exchange(place, nodes, 2 * c * sh.a_kv * e)
-           + steps(step, hop(2 * c * sh.a_kv * e))
-           + cost.reduce_scatter(link, c * sh.a_q * e, c))
+           + steps(fwd_c, hop(2 * c * sh.a_kv * e))
+           + scatter(c * sh.a_q * e))
     if mode == "kv":
         back = [(r, lay.place_source(lay.ring_next(r))) for r in range(world)]
-        ring_bwd = steps(BWD_FLOPS * step, hop(2 * c * sh.a_kv * (e + acc)))
+        ring_bwd = steps(bwd_c, hop(2 * c * sh.a_kv * (e + acc)))
         home = topo.exchange(back, nodes, 2 * c * sh.a_kv * acc)
     else:  # q, dO, lse and D = rowsum(dO∘O) travel (volume.py), then dQ
         back = [(r, lay.place_source(r)) for r in range(world)]
-        ring_bwd = steps(BWD_FLOPS * step, hop(c * (2 * sh.a_q * e + 2 * sh.rows * acc + sh.a_q * acc)))
+        ring_bwd = steps(bwd_c, hop(c * (2 * sh.a_q * e + 2 * sh.rows * acc + sh.a_q * acc)))
         home = (hop(c * sh.a_q * acc)
                 + topo.exchange(back, nodes, 2 * c * sh.a_kv * acc))
     # dO and D gathered in the team; with C > 1 the team Q/K/V are rebuilt there (team_qkv="auto").
     rebuild = (team((sh.a_q + 2 * sh.a_kv) * e) + topo.exchange(place, nodes, 2 * c * sh.a_kv * e)
                if c > 1 else 0.0)
     bwd = (team(sh.a_q * e + sh.rows * acc) + rebuild + ring_bwd + home
-           + cost.reduce_scatter(link, c * (sh.a_q + 2 * sh.a_kv) * e, c))
+           + scatter(c * (sh.a_q + 2 * sh.a_kv) * e))
     return fwd + bwd
 
 

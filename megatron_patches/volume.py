@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from megatron_patches.layout import Layout
 
 META_BYTES = 24 * 8  # checks._FIELDS int64 per rank
-SETTINGS_BYTES = (2 + 2) * 8  # wallfacer.check_settings: U, team_qkv, the timeout, the flag (comm.check_agree)
+SETTINGS_BYTES = (2 + 2) * 8  # wallfacer.check_settings: U, team_qkv, timeout, flag (comm.check_agree)
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,20 @@
 """The main job's ``--atlas`` rows: the MoE model as a 2-stage pipeline across two emulated data centers,
 started by ``deepspeed-atlas`` (``python -m launch``) once with DeepSpeed's own pipeline sends and once
-with ATLAS's multi-TCP striping and temporal sharing.
+with ATLAS's multi-TCP striping (spatial sharing: temporal sharing did not pay reliably in the
+calibration matrix, benchmarks/atlas_calibration.py).
 
 Two network namespaces are the two data centers' hosts (2 ranks each), joined by launch.net.wanemu's WAN:
 a user-space delay line for the round trip and a ``tbf`` rate limit; TCP buffers inside the namespaces
 are capped so that one connection is window-limited below the link rate, as on a real long fat link
 (benchmarks/wan.py measures the link itself). Each node runs under ``timeout``; everything made here
 is removed on exit (launch.net.netns.Lab). Needs root; without it :func:`pipeline_rows` says why.
+
+The WAN is configs/atlas_two_dc.json scaled down to this machine: 40 ms RTT, and one TCP connection
+carrying 1/25 of the link as Linux's default buffers (2 MiB effective) do on two_dc's 10 Gb/s
+(400 Mbit/s here, 128 KiB buffers). Each row carries the calibrated simulator's prediction
+(launch.plan.calibrated): the link's rate and what one transfer costs on it, stock and with ATLAS's
+connections, from ping-pongs on the emulated link just before (benchmarks.wan.link_constants), and
+each run's own per-instruction compute times as DeepSpeed's engine timed them.
 """
 
 from __future__ import annotations
@@ -22,8 +30,15 @@ from pathlib import Path
 
 from examples.gpt.train import Result
 
+
+@dataclass
+class PipelineResult(Result):
+    predicted_ms: float = 0.0     # the calibrated simulator's ms per step for this run
+    free_wan_ms: float = 0.0      # the same with a free WAN: what the step computes and synchronises
+
 ROOT = Path(__file__).resolve().parents[2]
 NODE_TIMEOUT = 900
+MICRO_BATCHES = 4
 # The variables a launched rank inherits from the main job's own launcher; the nodes get their own.
 _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
              "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE", "GROUP_RANK", "ROLE_RANK", "GLOO_SOCKET_IFNAME",
@@ -34,7 +49,8 @@ _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE
 class Wan:
     rtt_ms: float = 40.0
     rate_mbit: float = 400.0
-    window_kib: int = 256         # TCP buffer cap: one connection ~ 0.6 x window / RTT (~4 MB/s here)
+    window_kib: int = 128         # TCP buffer cap: one connection ~ 0.6 x window / RTT (~2 MB/s here)
+    micro: int = 8                # sequences per micro-batch: [256, 8, 128] fp32 = 1 MiB per transfer
 
     def describe(self) -> str:
         return f"2 DCs, RTT {self.rtt_ms:g} ms, {self.rate_mbit:g} Mbit/s, TCP buffers {self.window_kib} KiB"
@@ -46,16 +62,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _topology(link, slots: int, wan: Wan) -> dict:
+def _topology(link, slots: int, wan: Wan, window: float) -> dict:
     def dc(host: str, addr: str, ifname: str) -> dict:
         return {"hosts": [{"name": host, "slots": slots, "addr": addr}], "ifname": ifname}
 
     return {"datacenters": {"west": dc("w0", link.addr_a, link.ifname_a),
                             "east": dc("e0", link.addr_b, link.ifname_b)},
             "wan": [{"between": ["west", "east"], "rtt_ms": wan.rtt_ms,
-                     "bandwidth_gbps": wan.rate_mbit / 1e3}],
-            "model": {"layers": 2, "hidden": 128, "seq": 256, "micro_batch": 2, "global_batch": 16,
-                      "pp": 2, "tp": 1, "dp": slots}}
+                     "bandwidth_gbps": wan.rate_mbit / 1e3, "window_mb": window / 2**20}],
+            "model": {"layers": 2, "hidden": 128, "seq": 256, "micro_batch": wan.micro, "dtype_bytes": 4,
+                      "global_batch": wan.micro * MICRO_BATCHES * slots, "pp": 2, "tp": 1, "dp": slots}}
 
 
 def _run(link, topo_path: Path, out: Path, connections: int, sharing: str, stock: bool,
@@ -79,10 +95,11 @@ def _run(link, topo_path: Path, out: Path, connections: int, sharing: str, stock
     return [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
 
 
-def _result(name: str, ranks: list[dict]) -> Result:
+def _result(name: str, ranks: list[dict], predicted_s: float, free_s: float) -> PipelineResult:
     """One table row: losses of the last stage (every rank reports them), the slowest rank's step time,
-    the mean over ranks of the bytes each sent per step."""
-    res = Result(name, losses=ranks[0]["losses"], tokens_per_step=ranks[0]["tokens_per_step"])
+    the mean over ranks of the bytes each sent per step, the prediction."""
+    res = PipelineResult(name, losses=ranks[0]["losses"], tokens_per_step=ranks[0]["tokens_per_step"],
+                         predicted_ms=predicted_s * 1e3, free_wan_ms=free_s * 1e3)
     res.evals = [(len(res.losses), ranks[0]["held_out"])]
     res.step_ms = [max(ms) for ms in zip(*(r["step_ms"] for r in ranks), strict=True)]
     for r in ranks:
@@ -102,7 +119,11 @@ def pipeline_rows(deepspeed_config: str, connections: int = 8, wan: Wan = Wan(),
     ok, reason = netns.available()
     if not ok:
         return reason
-    args = ["--deepspeed_config", deepspeed_config, *job_args]
+    from benchmarks.wan import link_constants
+    from launch.plan.calibrated import LinkMode, WanSetting, compute_inputs, step_seconds
+
+    args = ["--deepspeed_config", deepspeed_config, "--micro", str(wan.micro),
+            "--micro-batches", str(MICRO_BATCHES), *job_args]
     rows = []
     with WanLink(rtt=wan.rtt_ms / 1e3, rate=wan.rate_mbit * 1e6 / 8) as link, \
             tempfile.TemporaryDirectory(prefix="atlas-rows-") as tmp:
@@ -110,15 +131,28 @@ def pipeline_rows(deepspeed_config: str, connections: int = 8, wan: Wan = Wan(),
             ns.sysctl("net.ipv4.tcp_rmem", f"4096 131072 {wan.window_kib * 1024}")
             ns.sysctl("net.ipv4.tcp_wmem", f"4096 16384 {wan.window_kib * 1024}")
             ns.sysctl("net.ipv4.tcp_slow_start_after_idle", "0")
+        # the link constants, measured on it (ping-pongs, stock and with ATLAS's connections); the
+        # launched plan's window: what one stock connection reached
+        constants = link_constants(link, connections=f"1,{connections}")
+        window = constants["modes"]["stock"]["Bps"] * wan.rtt_ms / 1e3
         topo = Path(tmp, "topology.json")
-        topo.write_text(json.dumps(_topology(link, 2, wan)))
+        topo.write_text(json.dumps(_topology(link, 2, wan, window)))
         for name, conns, sharing, stock, what in (
                 ("pipeline", 1, "spatial", True,
                  f"DeepSpeed pipeline sends, 1 TCP connection ({wan.describe()})"),
-                ("pipeline+ATLAS", connections, "temporal", False,
-                 f"ATLAS: {connections} TCP connections, temporal sharing ({wan.describe()})")):
+                ("pipeline+ATLAS", connections, "spatial", False,
+                 f"ATLAS: {connections} TCP connections, spatial sharing ({wan.describe()})")):
             ranks = _run(link, topo, Path(tmp, name), conns, sharing, stock, args)
-            rows.append((_result(name, ranks), what))
+            compute = compute_inputs([(r["stage"], r["ops"]) for r in ranks], 2)
+            setting = "stock" if stock else f"{conns}:{sharing}"
+            predicted = step_seconds(compute, 2, MICRO_BATCHES, ranks[0]["act_bytes"], constants["link_Bps"],
+                                     LinkMode.from_measured(constants["modes"], setting,
+                                                            ranks[0]["act_bytes"]),
+                                     WanSetting.parse(setting))
+            free = step_seconds(compute, 2, MICRO_BATCHES, ranks[0]["act_bytes"], 1e18, LinkMode(0.0, 1e18),
+                                WanSetting.parse(setting))
+            rows.append((_result(name, ranks, predicted, free),
+                         f"{what}; predicted {predicted * 1e3:.0f} ms/step"))
         lost = {k: v for k, v in link.drops().items() if v and not k.startswith("tcp_retrans")}
     if lost:     # the emulator itself lost packets: the WAN was not what it claims to be
         rows = [(res, f"{what}; WAN emulator drops {lost}") for res, what in rows]

@@ -11,10 +11,11 @@ by the config) whose experts are spread over the two DP ranks of their stage (EP
 the data center). Stage 0 sends [seq, micro, hidden] activations across the WAN, stage 1 their
 gradients back. ``--stock-p2p`` keeps DeepSpeed's pipeline sends (one TCP connection per pair, both
 pipelines on the WAN at once); otherwise ``launch.run.runtime.enable_deepspeed`` stripes them over the
-launcher's ``--wan-connections`` and lets the DP pipelines take turns (temporal sharing).
+launcher's ``--wan-connections``, sharing the WAN as ``--atlas-sharing`` says.
 
 Every rank writes ``rank<N>.json`` to ``--out``: train losses, held-out loss, step times, bytes sent
-per step by kind, and the WAN settings it ran with.
+per step by kind, the median seconds of each instruction of DeepSpeed's engine over the timed steps
+(what launch.plan.calibrated predicts the step time from), and the WAN settings it ran with.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -124,6 +126,7 @@ def main() -> None:
     import ds_plugins
     import launch.run.runtime as atlas
     from commweave import ledger
+    from examples.atlas_pipeline import time_instructions
     from examples.gpt.train import counted
 
     plan = atlas.init()
@@ -148,8 +151,10 @@ def main() -> None:
     engine, *_ = ds_plugins.initialize(model=model, model_parameters=model.parameters(), config=config)
     wan = None if args.stock_p2p else atlas.enable_deepspeed(plan)
     corpus = data.Corpus.load()
-    book, losses, step_ms = ledger.Ledger(), [], []
+    book, losses, step_ms, op_seconds = ledger.Ledger(), [], [], {}
     for step in range(args.steps):
+        if step == args.warmup_steps:
+            time_instructions(engine, op_seconds)
         batches = iter(_batches(corpus, "train", step, replica, args))
         start = time.perf_counter()
         with counted(book if step >= args.warmup_steps else ledger.Ledger()):
@@ -157,12 +162,16 @@ def main() -> None:
         if step >= args.warmup_steps:
             step_ms.append((time.perf_counter() - start) * 1e3)
         losses.append(float(loss))
+    if "_INSTRUCTION_MAP" in vars(engine):
+        del engine._INSTRUCTION_MAP
     held_out = float(engine.eval_batch(iter(_batches(corpus, "held_out", 0, replica, args))))
     timed = args.steps - args.warmup_steps
     report = {"rank": dist.get_rank(), "stage": stage, "replica": replica, "dc": plan.dc_of(dist.get_rank()),
               "losses": losses, "held_out": held_out, "step_ms": step_ms,
               "tokens_per_step": args.micro * args.micro_batches * plan.dp * args.seq,
               "sent": {k: v["sent"] / timed for k, v in book.as_dict().items() if v["sent"]},
+              "ops": {k: statistics.median(v) for k, v in op_seconds.items()},
+              "act_bytes": args.seq * args.micro * args.hidden * 4,      # [s, b, h] fp32 (the CPU config)
               "wan_connections": int(os.environ.get(atlas.ENV_CONNS, "1")),
               "sharing": os.environ.get(atlas.ENV_SHARING, "spatial"), "stock_p2p": args.stock_p2p}
     if wan is not None:

@@ -42,8 +42,7 @@ from commweave import comm
 from launch.net.recovery import recover
 from launch.net.sockets import device_connections, gloo_ifname, group_sockets, socket_inodes
 from launch.plan.plan import Plan
-
-STRIPE_MIN_BYTES = 1 << 20   # below this a transfer goes whole: striping would only add latency
+from launch.plan.socket_limits import STRIPE_MIN_BYTES
 
 
 @contextmanager

@@ -1,13 +1,20 @@
 """``python -m launch.plan TOPOLOGY``: ATLAS's plan against the baselines on the same topology.
 
-Prints the plan (launch.plan.placement.render), a table with every system's best layout, iteration time,
-tokens/s, GPU utilisation and WAN bytes per iteration and ATLAS's speed-up over it, any warnings
-about this machine's TCP settings (they never change the plan), and ends with one JSON line::
+Prints the plan (launch.plan.placement.render); a table with every baseline's best layout with the
+freedom of its own system (launch.plan.baselines), iteration time, tokens/s, GPU utilisation, WAN bytes
+per iteration, ATLAS's speed-up over it and the limits the real system keeps; the same table on exactly
+ATLAS's GPUs; ATLAS's gain over the best baseline, anywhere and on its GPUs, one mechanism at a time
+(launch.plan.gain); any warnings about this machine's TCP settings (they never change the plan); and
+ends with one JSON line::
 
     {"iteration_s": ..., "tokens_per_s": ..., "utilisation": ..., "wan_bytes": ...,
-     "baselines": {"dp-wan": s, "stock": s, "varuna": s}, "speedups": {...},
-     "speedup_vs_best_baseline": ..., "layout": {...}, ...}
+     "baselines": {"deepspeed": s, "megatron": s, "varuna": s, "dp-wan": s}, "speedups": {...},
+     "best_baseline": ..., "speedup_vs_best_baseline": ..., "speedup_vs_best_baseline_same_gpus": ...,
+     "gain_steps": [...], "gain_steps_same_gpus": [...], "layout": {...}, ...}
 
+``--sharing`` is spatial unless asked (launch.plan.placement.SHARINGS: temporal sharing never paid in the
+calibration matrix, so ``temporal``/``auto`` are opt-ins and the decomposition's sharing step is 1.00x
+by default). ``--no-baselines`` skips the baselines and the decomposition (most of the run time).
 A baseline with no layout that fits (or that cannot span the DCs it must span) shows as null.
 ``--timeline FILE.png`` draws ATLAS's iteration, one row per pipeline-stage replica
 (launch.plan.timeline); ``--trace FILE.json`` writes the same ops as a Chrome trace. ``--bubbletea`` adds
@@ -21,55 +28,85 @@ import argparse
 import json
 import sys
 
-from launch.plan import baselines
+from commweave import values
+from launch.plan import baselines, gain
 from launch.plan import topology as topology_mod
-from launch.plan.estimate import ModelSpec
-from launch.plan.placement import atlas_layouts, choose, load_model, plan_of, render
+from launch.plan.estimate import ModelSpec, stage_layers
+from launch.plan.placement import (
+    DEFAULT_SHARING,
+    SHARINGS,
+    UNVALIDATED,
+    atlas_layouts,
+    choose,
+    load_model,
+    plan_of,
+    render,
+    sharing_modes,
+)
 from launch.plan.search import Choice, best
 from launch.plan.socket_limits import DEFAULT_WINDOW, tcp_advice
 from launch.plan.timeline import Op, draw, write_trace
 from launch.plan.topology import Topology
 
 
-def compare(topo: Topology, model: ModelSpec, window: float = DEFAULT_WINDOW) -> dict[str, Choice | None]:
-    """Each baseline's fastest layout by simulation (None: it has none)."""
-    return {name: best(topo, model, layouts(topo, model), window)
-            for name, layouts in baselines.LAYOUTS.items()}
-
-
 def describe(c: Choice) -> str:
     lay = c.layout
     dcs = sorted({d for stage in lay.dc for d in stage})
-    return f"pp={lay.pp} tp={lay.tp} dp={lay.dp} ({lay.gpus} GPUs; {'+'.join(dcs)})"
+    split = "even" if list(lay.stage_layers) == stage_layers(sum(lay.stage_layers), lay.pp) else \
+        "/".join(map(str, lay.stage_layers))
+    return f"pp={lay.pp} tp={lay.tp} dp={lay.dp} ({lay.gpus} GPUs; {'+'.join(dcs)}; layers {split})"
 
 
 def table(model: ModelSpec, atlas: Choice, others: dict[str, Choice | None],
-          across: Choice | None = None) -> str:
-    """One row per system; ``across``: ATLAS's best layout that spans data centers, shown when its
-    plan keeps to one DC (what crossing would cost with ATLAS's own WAN mechanisms)."""
+          across: Choice | None = None, title: str = "") -> str:
+    """One row per system with the limit its real system keeps; ``across``: ATLAS's best layout that
+    spans data centers, shown when its plan keeps to one DC (what crossing would cost with ATLAS's own
+    WAN mechanisms)."""
     tokens = model.global_batch * model.seq
-    rows = [("ATLAS", atlas)] + ([("ATLAS, across DCs", across)] if across else [])
-    rows += [(baselines.NAMES[k], c) for k, c in others.items()]
-    head = (f"  {'system':<26} {'layout':<48} {'iteration s':>11} {'tokens/s':>10} {'GPU util':>8} "
-            f"{'WAN GB':>9} {'ATLAS x':>8}")
-    lines = ["baselines (same topology, same simulator; WAN GB = bytes over the WAN per iteration)", head]
-    for name, c in rows:
+    rows = [("ATLAS", atlas, "")] + ([("ATLAS, across DCs", across, "")] if across else [])
+    rows += [(baselines.NAMES[k], c, baselines.LIMITS[k]) for k, c in others.items()]
+    head = (f"  {'system':<18} {'layout':<62} {'iteration s':>11} {'tokens/s':>10} {'GPU util':>8} "
+            f"{'WAN GB':>7} {'ATLAS x':>7}  held back by (the real system's limits)")
+    lines = [title or "baselines (same topology, same simulator, each with its own system's freedom; "
+                      "WAN GB = bytes over the WAN per iteration)", head]
+    for name, c, limit in rows:
         if c is None:
-            dash = f"{'-':>11} {'-':>10} {'-':>8} {'-':>9} {'-':>8}"
-            lines.append(f"  {name:<26} {'no layout fits':<48} {dash}")
+            dash = f"{'-':>11} {'-':>10} {'-':>8} {'-':>7} {'-':>7}"
+            lines.append(f"  {name:<18} {'no layout fits':<62} {dash}  {limit}")
             continue
         r = c.result
-        lines.append(f"  {name:<26} {describe(c):<48} {r.iteration:>11.4g} {tokens / r.iteration:>10.4g} "
-                     f"{100 * r.utilisation:>7.0f}% {r.wan_bytes / 1e9:>9.4g} "
-                     f"{r.iteration / atlas.result.iteration:>7.2f}x")
+        lines.append(f"  {name:<18} {describe(c):<62} {r.iteration:>11.4g} {tokens / r.iteration:>10.4g} "
+                     f"{100 * r.utilisation:>7.0f}% {r.wan_bytes / 1e9:>7.4g} "
+                     f"{r.iteration / atlas.result.iteration:>6.2f}x  {limit}")
     return "\n".join(lines)
 
 
+def decomposition(steps: list[gain.Step], where: str) -> str:
+    lines = [f"ATLAS's gain over the best baseline {where}, one mechanism at a time (launch.plan.gain: "
+             "each step the best layout with the mechanisms so far; the ratios multiply to the total)"]
+    for st in steps:
+        t = f"{st.seconds:.4g} s" if st.seconds is not None else "no layout fits"
+        r = f"{st.ratio:.2f}x" if st.ratio is not None else ""
+        lines.append(f"  {st.label:<44} {t:>12} {r:>7}")
+    known = [st.seconds for st in steps if st.seconds is not None]
+    if len(known) == len(steps) and steps:
+        lines.append(f"  {'total':<44} {'':>12} {steps[0].seconds / steps[-1].seconds:>6.2f}x")
+    return "\n".join(lines)
+
+
+def _fastest(choices: dict[str, Choice | None]) -> tuple[str | None, float | None]:
+    top = gain.best_of(choices)
+    return (top[0], top[1].result.iteration) if top else (None, None)
+
+
 def summary(topo: Topology, model: ModelSpec, atlas: Choice, others: dict[str, Choice | None],
-            across: Choice | None = None) -> dict:
+            across: Choice | None = None, same: dict[str, Choice | None] | None = None,
+            steps: list[gain.Step] = (), same_steps: list[gain.Step] = ()) -> dict:
     r, lay = atlas.result, atlas.layout
     times = {k: (c.result.iteration if c else None) for k, c in others.items()}
-    known = [t for t in times.values() if t is not None]
+    name, fastest = _fastest(others)
+    same_times = {k: (c.result.iteration if c else None) for k, c in (same or {}).items()}
+    same_name, same_fastest = _fastest(same or {})
     return {
         "topology": topo.source,
         "iteration_s": r.iteration,
@@ -84,7 +121,14 @@ def summary(topo: Topology, model: ModelSpec, atlas: Choice, others: dict[str, C
         "simulated": atlas.simulated,
         "baselines": times,
         "speedups": {k: (t / r.iteration if t else None) for k, t in times.items()},
-        "speedup_vs_best_baseline": (min(known) / r.iteration) if known else None,
+        "best_baseline": name,
+        "speedup_vs_best_baseline": fastest / r.iteration if fastest else None,
+        "baselines_same_gpus": same_times,
+        "best_baseline_same_gpus": same_name,
+        "speedup_vs_best_baseline_same_gpus": same_fastest / r.iteration if same_fastest else None,
+        "gain_steps": [{"step": st.label, "seconds": st.seconds, "ratio": st.ratio} for st in steps],
+        "gain_steps_same_gpus": [{"step": st.label, "seconds": st.seconds, "ratio": st.ratio}
+                                 for st in same_steps],
         "atlas_across_dcs_s": across.result.iteration if across else None,
     }
 
@@ -101,20 +145,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--atlas-model", default=None, help="JSON with the model section (else the topology's)")
     ap.add_argument("--wan-connections", type=int, default=None,
                     help="fix the TCP connections per WAN pair (1..64; default: the planner chooses)")
-    ap.add_argument("--sharing", choices=("temporal", "spatial"), default=None,
-                    help="fix the WAN sharing mode (default: the planner chooses)")
+    ap.add_argument("--sharing", default=DEFAULT_SHARING, metavar="|".join(SHARINGS),
+                    help="how DP replicas share a WAN link: at once (spatial, the default), taking turns "
+                         "(temporal), or the faster by the simulator (auto); temporal and auto are "
+                         f"{UNVALIDATED}")
     ap.add_argument("--timeline", metavar="FILE.png", help="draw ATLAS's iteration, one row per GPU")
     ap.add_argument("--timeline-span", metavar="START:END", type=_span, default=None,
                     help="draw only this part of the iteration, in seconds (default: all of it)")
     ap.add_argument("--trace", metavar="FILE.json", help="write ATLAS's iteration as a Chrome trace")
     ap.add_argument("--bubbletea", action="store_true",
                     help="add the GPU utilisation with BubbleTea's prefill in the bubbles (launch.bubbletea)")
+    ap.add_argument("--no-baselines", action="store_true",
+                    help="plan only: skip the baselines and the gain decomposition (most of the run time)")
     ap.add_argument("--json", action="store_true",
                     help="print only the plan as JSON (what the launcher exports)")
     args = ap.parse_args(argv)
     try:
+        # the destinations first: a missing directory used to fail after the whole search
+        for flag, path in (("--timeline", args.timeline), ("--trace", args.trace)):
+            if path is not None:
+                values.write_target(path, flag)
+        if args.timeline:
+            _need_matplotlib()
         topo = topology_mod.load(args.topology)
         model = load_model(topo, args.atlas_model)
+        sharings = sharing_modes(args.sharing, "--sharing")
         atlas = choose(topo, model, args.wan_connections, args.sharing, DEFAULT_WINDOW)
         plan = plan_of(topo, model, atlas, DEFAULT_WINDOW)
     except ValueError as e:
@@ -123,15 +178,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(plan.to_json())
         return 0
-    others = compare(topo, model)
+    others, same, steps, same_steps = {}, {}, [], []
+    if not args.no_baselines:
+        others = gain.compare(topo, model, DEFAULT_WINDOW)
+        same, same_steps = gain.same_gpus(topo, model, plan, atlas, DEFAULT_WINDOW)
+        steps = gain.decompose(topo, model, atlas, others, DEFAULT_WINDOW)
     across = None
-    if not atlas.layout.crosses_wan and len(topo.datacenters) > 1:
+    if not args.no_baselines and not atlas.layout.crosses_wan and len(topo.datacenters) > 1:
         spanning = (lay for lay in atlas_layouts(topo, model, DEFAULT_WINDOW, args.wan_connections)
                     if lay.crosses_wan)
-        across = best(topo, model, spanning, DEFAULT_WINDOW,
-                      (args.sharing,) if args.sharing else ("spatial", "temporal"))
+        across = best(topo, model, spanning, DEFAULT_WINDOW, sharings)
     print(render(plan, topo, model))
-    print(table(model, atlas, others, across))
+    if not args.no_baselines:
+        print(table(model, atlas, others, across))
+        print(table(model, atlas, same, title=f"the baselines on ATLAS's own {plan.world_size} GPUs (the "
+                                              "hosts and slots of its plan, every one used)"))
+        print(decomposition(steps, "anywhere"))
+        print(decomposition(same_steps, f"on ATLAS's {plan.world_size} GPUs"))
     links = [topo.link(plan.stage_dc[s], plan.stage_dc[s + 1]) for s in plan.wan_boundaries()]
     advice = tcp_advice(links, plan.wan_flows)
     if advice:
@@ -144,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"ATLAS on {topo.source}: pp={plan.pp} tp={plan.tp} dp={plan.dp}, "
              f"{r.iteration:.3g} s per iteration, GPU utilisation {100 * r.utilisation:.0f}%")
     ops = list(atlas.result.ops)   # the iteration's ops (launch.plan.timeline.Op)
-    out = summary(topo, model, atlas, others, across)
+    out = summary(topo, model, atlas, others, across, same, steps, same_steps)
     if args.bubbletea:
         from launch.bubbletea.simulate import for_plan, render_line
 
@@ -155,12 +218,6 @@ def main(argv: list[str] | None = None) -> int:
         out["utilisation_bubbletea"] = bt.utilisation
         out["prefill_tokens_per_s"] = bt.prefill_tokens_per_s
     if args.timeline:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("error: --timeline needs matplotlib (a commweave requirement): pip install matplotlib",
-                  file=sys.stderr)
-            return 2
         if args.timeline_span:
             title += f"; {args.timeline_span[0]:g}-{args.timeline_span[1]:g} s shown"
         draw(args.timeline, ops, atlas.result.iteration, title, labels(atlas), window=args.timeline_span)
@@ -170,6 +227,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trace: {args.trace}")
     print(json.dumps(out))
     return 0
+
+
+def _need_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--timeline needs matplotlib (a commweave requirement): "
+                         "pip install matplotlib") from None
 
 
 def _span(text: str) -> tuple[float, float]:

@@ -7,10 +7,11 @@ it holds, consecutive stages to the same DC, until pp stages are placed. Pipelin
 cross the WAN and every stage's DP and TP ranks stay inside one DC. Around it, SAILOR's search over
 every (pp, tp, dp), widened here (:func:`placements`): the fill in every order of the DCs and every
 order of the used DCs along the pipeline (link bandwidth and latency decide it with 3+ DCs); layers
-in proportion to each stage's GPU speed (``gpu_tflops``) within its memory; the sharing mode
-(temporal or spatial) and the number of TCP connections (:func:`fill_connections`) chosen with the
-layout. Every candidate is ranked by the discrete-event simulator (:mod:`launch.plan.search`: branch and
-bound on a proven lower bound, so none that could win is skipped); the fastest iteration wins, fewer
+in proportion to each stage's GPU speed (``gpu_tflops``) within its memory; the number of TCP
+connections (:func:`fill_connections`) chosen with the layout, the sharing mode as :data:`SHARINGS` says
+(spatial unless asked: temporal sharing is unvalidated). Every candidate is ranked by the discrete-event
+simulator (:mod:`launch.plan.search`: branch and bound on a proven lower bound, so none that could win is
+skipped); the fastest iteration wins, fewer
 GPUs on a tie. That choice is also how ATLAS "picks how many GPUs to use in each DC". Nothing here
 reads this machine's sysctls: a WAN connection's window is the topology's ``window_mb`` or Linux's
 default (launch.plan.socket_limits.DEFAULT_WINDOW); the launcher reports local TCP settings as warnings only.
@@ -18,18 +19,17 @@ default (launch.plan.socket_limits.DEFAULT_WINDOW); the launcher reports local T
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import replace
 from itertools import pairwise, permutations
-from pathlib import Path
 
+from commweave import values
 from launch.plan.estimate import Estimate, Layout, ModelSpec, build, layer_caps, link_window, split_layers
 from launch.plan.plan import Plan, PlanHost
 from launch.plan.search import Choice, best
 from launch.plan.simulate import simulate
 from launch.plan.socket_limits import DEFAULT_WINDOW, NCCL_MAX_SOCKETS, nccl_split
-from launch.plan.topology import Topology
+from launch.plan.topology import Topology, check_model
 
 
 def usable_gpus(topo: Topology, dc: str, tp: int) -> int:
@@ -108,55 +108,93 @@ def fill_connections(topo: Topology, stage_dc: tuple[str, ...], tp: int, window:
     return min(need, NCCL_MAX_SOCKETS)
 
 
-def atlas_layouts(topo: Topology, model: ModelSpec, window: float, connections: int | None = None):
-    """ATLAS's candidates: every (pp, tp, dp) the model section allows, every placement, layers in
-    proportion to the stages' GPU speed within their memory, connections chosen per placement."""
+# How DP replicas share a WAN direction. The default is spatial (stock TCP: all at once): the calibration
+# matrix on the emulated WAN (benchmarks.atlas_calibration; README "The simulator against real runs")
+# never measured temporal sharing paying (spatial/temporal 0.75-1.00x over its eight groups), while this
+# search's idealised 1F1B model predicts temporal gains (up to 1.19x on the shipped topologies) that no
+# run backs. "temporal" forces it and "auto" lets the simulator pick the faster of the two: both are
+# opt-ins whose gain is a model's, unvalidated. The connection count needs no opt-in: the matrix measured
+# 8 connections 1.9-2.9x faster than one with 1 MiB transfers on a window-limited link.
+SHARINGS = ("spatial", "temporal", "auto")
+DEFAULT_SHARING = "spatial"
+UNVALIDATED = "unvalidated: the calibration matrix never measured temporal sharing paying"
+
+
+def sharing_modes(sharing: str, name: str = "sharing") -> tuple[str, ...]:
+    """The sharing modes the search simulates for ``sharing`` (one of :data:`SHARINGS`)."""
+    values.choice(sharing, name, SHARINGS)
+    return ("spatial", "temporal") if sharing == "auto" else (sharing,)
+
+
+# The search simulates candidates of every (pp, tp, dp) with pp·tp·dp <= the GPUs offered, each under
+# several placements: about 5 ms per combination on the shipped topologies (three_dc: 190 in ~1 s).
+# Beyond this many combinations (10**9 slots, 10**7 layers) the model section must fix pp, tp or dp.
+MAX_DEGREES = 2000
+
+
+def tp_options(topo: Topology, model: ModelSpec) -> list[int]:
+    """TP degrees: the model's, else every divisor of the largest host (a TP group never spans hosts)."""
     max_slots = max(h.slots for h in topo.hosts)
-    tps = [model.tp] if model.tp else [t for t in range(1, max_slots + 1) if max_slots % t == 0]
-    pps = [model.pp] if model.pp else range(1, model.layers + 1)
-    dps = [model.dp] if model.dp else [d for d in range(1, model.sequences + 1) if model.sequences % d == 0]
+    return [model.tp] if model.tp else [t for t in range(1, max_slots + 1) if max_slots % t == 0]
+
+
+def degrees(topo: Topology, model: ModelSpec, tps: list[int] | None = None) -> list[tuple[int, int, int]]:
+    """Every (pp, tp, dp) the model section allows with pp·tp·dp <= the topology's GPUs (dp divides the
+    sequences per iteration); a ValueError when there are more than :data:`MAX_DEGREES`."""
     total = sum(h.slots for h in topo.hosts)
-    for tp in tps:
-        for pp in pps:
-            for dp in dps:
-                if pp * tp * dp > total:
-                    continue
-                for stage_dc in placements(topo, pp, tp, dp):
-                    speeds = [topo.dc(d).gpu_flops for d in stage_dc]
-                    caps = layer_caps(topo, model, list(stage_dc), tp, dp)
-                    layers = split_layers(model.layers, speeds, caps)
-                    if layers is None:
-                        continue
-                    conns = connections or fill_connections(topo, stage_dc, tp, window)
-                    yield Layout(tp, tuple((d,) * dp for d in stage_dc), tuple(layers), conns, "spatial",
-                                 atlas_runtime=True)
+    tps = tp_options(topo, model) if tps is None else tps
+    pps = [model.pp] if model.pp else range(1, min(model.layers, total) + 1)
+    dps = [model.dp] if model.dp else [d for d in range(1, min(model.sequences, total) + 1)
+                                       if model.sequences % d == 0]
+    count = sum(1 for tp in tps for pp in pps if pp * tp <= total for dp in dps if pp * tp * dp <= total)
+    if count > MAX_DEGREES:
+        values.refuse(f"{topo.source}: model", {"layers": model.layers, "sequences": model.sequences,
+                                                 "gpus": total},
+                      f"{count} (pp, tp, dp) combinations to search, more than {MAX_DEGREES} (about 10 s): "
+                      "fix pp, tp or dp in the model section")
+    return [(pp, tp, dp) for tp in tps for pp in pps for dp in dps if pp * tp * dp <= total]
 
 
-def choose(topo: Topology, model: ModelSpec, connections: int | None = None, sharing: str | None = None,
-           window: float = DEFAULT_WINDOW) -> Choice:
-    """ATLAS's layout: the simulator's fastest candidate (launch.plan.search), the sharing mode and the
-    number of connections chosen with it unless fixed here."""
-    if sharing not in (None, "temporal", "spatial"):
-        raise ValueError(f"sharing={sharing!r}: use 'temporal' or 'spatial' (or None: the planner chooses)")
+def atlas_layouts(topo: Topology, model: ModelSpec, window: float, connections: int | None = None,
+                  split=None):
+    """ATLAS's candidates: every (pp, tp, dp) the model section allows, every placement, layers in
+    proportion to the stages' GPU speed within their memory, connections chosen per placement.
+    ``split(layers, speeds, caps)``: another layer split rule (the decomposition's baseline splits)."""
+    split = split or split_layers
+    for pp, tp, dp in degrees(topo, model):
+        for stage_dc in placements(topo, pp, tp, dp):
+            speeds = [topo.dc(d).gpu_flops for d in stage_dc]
+            caps = layer_caps(topo, model, list(stage_dc), tp, dp)
+            layers = split(model.layers, speeds, caps)
+            if layers is None:
+                continue
+            conns = connections or fill_connections(topo, stage_dc, tp, window)
+            yield Layout(tp, tuple((d,) * dp for d in stage_dc), tuple(layers), conns, "spatial",
+                         atlas_runtime=True)
+
+
+def choose(topo: Topology, model: ModelSpec, connections: int | None = None,
+           sharing: str = DEFAULT_SHARING, window: float = DEFAULT_WINDOW) -> Choice:
+    """ATLAS's layout: the simulator's fastest candidate (launch.plan.search), the number of connections
+    chosen with it unless fixed here, the sharing mode as ``sharing`` says (:data:`SHARINGS`)."""
+    sharings = sharing_modes(sharing)
     if connections is not None:
         nccl_split(connections)  # the same limits as the launcher: 1..64 connections
     if model.dp and model.sequences % model.dp:
         raise ValueError(f"model.dp={model.dp}: global_batch/micro_batch = {model.sequences} sequences per "
                          "iteration must divide by dp")
-    sharings = (sharing,) if sharing else ("spatial", "temporal")
     found = best(topo, model, atlas_layouts(topo, model, window, connections), window, sharings)
     if found is None:
-        max_slots = max(h.slots for h in topo.hosts)
-        tps = [model.tp] if model.tp else [t for t in range(1, max_slots + 1) if max_slots % t == 0]
-        raise ValueError(_infeasible(topo, model, tps))
+        raise ValueError(_infeasible(topo, model))
     return found
 
 
-def make_plan(topo: Topology, model: ModelSpec, connections: int | None = None, sharing: str | None = None,
-              window: float | None = None) -> Plan:
-    """Search (pp, tp, dp), placement, sharing and connections; keep the simulator's fastest layout.
+def make_plan(topo: Topology, model: ModelSpec, connections: int | None = None,
+              sharing: str = DEFAULT_SHARING, window: float | None = None) -> Plan:
+    """Search (pp, tp, dp), placement and connections; keep the simulator's fastest layout.
 
-    ``connections``/``sharing`` fix those choices (None: the planner picks them); ``window`` is one
+    ``connections`` fixes that choice (None: the planner picks it); ``sharing`` is one of :data:`SHARINGS`
+    (spatial by default; "auto": the simulator picks, unvalidated); ``window`` is one
     TCP connection's window on WAN links without ``window_mb`` (default: Linux's default buffers,
     launch.plan.socket_limits.DEFAULT_WINDOW) — never this machine's sysctls, which only produce warnings."""
     window = DEFAULT_WINDOW if window is None else window
@@ -181,24 +219,25 @@ def plan_of(topo: Topology, model: ModelSpec, found: Choice, window: float) -> P
 
 
 def _what_if(topo: Topology, model: ModelSpec, lay: Layout, window: float) -> tuple[tuple[str, float], ...]:
-    """The same layout under the other sharing mode and with a single TCP connection."""
+    """The same layout under the other sharing mode and with a single TCP connection (a temporal
+    variant is labelled unvalidated: the idealised model's figure, which no measurement backs)."""
     if not lay.crosses_wan:
         return ()
     other = "spatial" if lay.sharing == "temporal" else "temporal"
-    variants = [(f"{other} sharing", lay.connections, other),
-                ("1 connection", 1, lay.sharing), (f"1 connection, {other} sharing", 1, other)]
+    mark = {"temporal": " (unvalidated)", "spatial": ""}
+    variants = [(f"{other} sharing{mark[other]}", lay.connections, other),
+                (f"1 connection{mark[lay.sharing]}", 1, lay.sharing),
+                (f"1 connection, {other} sharing{mark[other]}", 1, other)]
     return tuple((label, simulate(build(topo, model, replace(lay, connections=k, sharing=mode),
                                         window)).iteration) for label, k, mode in variants)
 
 
-def _infeasible(topo: Topology, model: ModelSpec, tps: list[int]) -> str:
+def _infeasible(topo: Topology, model: ModelSpec) -> str:
     fixed = {k: getattr(model, k) for k in ("pp", "tp", "dp") if getattr(model, k)}
     offer = ", ".join(f"{d.name}: {d.gpus}" for d in topo.datacenters)
-    pps = [model.pp] if model.pp else range(1, model.layers + 1)
-    dps = [model.dp] if model.dp else [d for d in range(1, model.sequences + 1) if model.sequences % d == 0]
     # the least memory a placeable layout needs: even layers, stage 0's in-flight micro-batches
     need = [model.stage_memory(-(-model.layers // pp), min(pp, model.micro_batches(dp)), tp)
-            for tp in tps for pp in pps for dp in dps if place(topo, pp, tp, dp) is not None]
+            for pp, tp, dp in degrees(topo, model) if place(topo, pp, tp, dp) is not None]
     if not need:
         want = ""
         if len(fixed) == 3:
@@ -251,11 +290,11 @@ def render(plan: Plan, topo: Topology, model: ModelSpec) -> str:
 def load_model(topo: Topology, model_file: str | None) -> ModelSpec:
     """The model section: from --atlas-model FILE when given, else the topology file's "model"."""
     if model_file:
-        try:
-            raw = json.loads(Path(model_file).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"--atlas-model {model_file!r}: cannot read a JSON object ({e})") from None
-        return ModelSpec.from_dict(raw.get("model", raw), source=model_file)
+        raw = values.load_json(model_file, "--atlas-model", top=dict)
+        raw = raw.get("model", raw)
+        if not isinstance(raw, dict):
+            values.refuse("--atlas-model", model_file, "its \"model\" must be a JSON object")
+        return ModelSpec.from_dict(check_model(raw, f"{model_file}: model"), source=model_file)
     if topo.model is None:
         raise ValueError(f"{topo.source}: no \"model\" section; add one or pass --atlas-model FILE")
     return ModelSpec.from_dict(topo.model, source=f"{topo.source}: model")

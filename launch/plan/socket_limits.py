@@ -26,6 +26,9 @@ NCCL_MAX_THREADS = 16
 NCCL_DEFAULT_BUFFSIZE = 4 * 2**20
 NCCL_CHANNELS = 2            # NCCL_NCHANNELS_PER_NET_PEER's default
 MAX_SOCKS_PER_THREAD = 8     # AWS's default split is 2 threads x 8 sockets; more per thread starves it
+# ATLAS's gloo striping (launch.net.striping) sends a transfer below this whole, over one connection of
+# its WAN group: striping would only add latency. The calibrated simulator models the same rule.
+STRIPE_MIN_BYTES = 1 << 20
 
 # Effective window of one connection = this fraction of the socket buffer maximum: Linux keeps part
 # of the receive buffer for metadata (tcp_adv_win_scale / scaling_ratio); measured about 0.6 on this
@@ -111,14 +114,15 @@ def read_sysctl(name: str, root: str = "/proc/sys") -> str | None:
         return None
 
 
-def host_window(read: Callable[[str], str | None] = read_sysctl) -> float:
-    """The effective window one connection of this host reaches: min(tcp_rmem, tcp_wmem max) × 0.5."""
+def host_window(read: Callable[[str], str | None] = read_sysctl, fraction: float = WINDOW_FRACTION) -> float:
+    """The effective window one connection of this host reaches: min(tcp_rmem, tcp_wmem max) × fraction
+    (``read`` may read another namespace's /proc/sys; ``fraction`` 1: the buffer limit itself)."""
     maxima = []
     for name in ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem"):
         v = read(name)
         if v:
             maxima.append(int(v.split()[-1]))
-    return WINDOW_FRACTION * (min(maxima) if maxima else 4 * 2**20)
+    return fraction * (min(maxima) if maxima else 4 * 2**20)
 
 
 def tcp_advice(links: list[WanLink], connections: int,

@@ -16,16 +16,21 @@ is launched; every mistake is a ``ValueError`` that names the file, the entry, t
     }
 
 Rules: every pair of data centers has exactly one WAN entry (the pipeline may cross any pair the
-planner picks); a host name appears once in the whole file (DNS names ignore case); slots are
-positive integers; rates and latencies are positive. Names are checked against what the launchers
-that receive them accept, so that nothing in the file can become a shell word, an option, a comment,
-a second host or a second variable on a node (:func:`check_host_name` and its siblings): host names
-are RFC 1123 host names, ``addr`` a host name or an IP literal, ``ifname`` a Linux interface name, a
-data center name a plain identifier. The optional top-level ``timeout_s`` bounds every wait of the
-job's collectives (``COMMWEAVE_TIMEOUT_S``; ``deepspeed-atlas --atlas-timeout`` overrides it).
+planner picks); a host name appears once in the whole file (DNS names ignore case). Every value goes
+through its rule in :mod:`commweave.values`, so that nothing in the file can become a shell word, an
+option, a comment, a second host or a second variable on a node, and no number can overflow or stall
+the planner: host names are RFC 1123 host names, ``addr`` a host name or an IP literal (an IPv6 zone
+id an interface name), ``ifname`` a Linux interface name, a data center name a plain identifier;
+numbers are finite and inside the ranges of :data:`RANGES` (units in the key names), slots
+an integer in 1..1024, at most :data:`MAX_HOSTS` hosts and :data:`MAX_DATACENTERS` data centers. The
+file itself is strict JSON (:func:`commweave.values.load_json`: a duplicated key is refused, not
+silently dropped; nesting, size and numbers bounded; a directory, FIFO or device refused before any
+read). The optional top-level ``timeout_s`` bounds every wait of the job's collectives
+(``COMMWEAVE_TIMEOUT_S``, 1 s .. 1 week; ``deepspeed-atlas --atlas-timeout`` overrides it).
 
 ``model`` is optional here (``deepspeed-atlas --atlas-model FILE`` may supply it instead); its
-fields are documented on :class:`launch.plan.estimate.ModelSpec`. ``addr`` (the host's
+fields are documented on :class:`launch.plan.estimate.ModelSpec` and bounded by :data:`MODEL_RANGES`
+(:func:`check_model`: what the planner can search in seconds). ``addr`` (the host's
 address on the network the ranks use) lets the launcher pick ``--master_addr`` without ssh;
 ``ifname`` is the interface gloo and NCCL bind to in that data center. A WAN entry's optional
 ``window_mb`` is the effective TCP window of one connection on that path (the planner's per-connection
@@ -36,13 +41,12 @@ what one GPU of that DC sustains on the model: the planner splits layers in prop
 
 from __future__ import annotations
 
-import ipaddress
-import json
-import math
 import re
 from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
+
+from commweave import values
 
 _DC_KEYS = {"hosts", "ifname", "gpu_tflops", "gpu_memory_gb", "node_bandwidth_gbps",
             "intra_bandwidth_gbps", "intra_latency_us"}
@@ -50,71 +54,45 @@ _HOST_KEYS = {"name", "slots", "addr"}
 _WAN_KEYS = {"between", "rtt_ms", "bandwidth_gbps", "window_mb"}
 _TOP_KEYS = {"datacenters", "wan", "model", "timeout_s"}
 
-# RFC 1123 §2.1 host name: dot-separated labels of 1-63 ASCII letters, digits and hyphens, no label
-# starting or ending with a hyphen, 253 characters at most. Nothing else is allowed: no shell
-# metacharacter, no leading "-" (an ssh option), no "#" (a hostfile comment), no "," (a second host
-# for pdsh -w), no ":" or "@" (DeepSpeed's --include syntax), no space, quote or non-ASCII letter.
-_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-_HOST_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*", re.ASCII)
-HOST_NAME_RULE = ("an RFC 1123 host name: dot-separated labels of 1-63 letters, digits and '-', "
-                  "not starting or ending with '-', at most 253 characters")
-# Linux interface names (net/core/dev.c dev_valid_name): 1-15 bytes; the kernel also allows other
-# bytes, but no interface a topology names needs them, and every one of them is a hazard on a node.
-_IFNAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,14}", re.ASCII)
-IFNAME_RULE = ("a Linux interface name: 1-15 characters from A-Z a-z 0-9 _ . -, not starting "
-               "with '.' or '-'")
 _DC_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}", re.ASCII)
 DC_NAME_RULE = "a name of 1-63 characters from A-Z a-z 0-9 _ . -, not starting with '.' or '-'"
 
-
-def is_host_name(value) -> bool:
-    return isinstance(value, str) and len(value) <= 253 and _HOST_NAME.fullmatch(value) is not None
-
-
-def is_ip_literal(value) -> bool:
-    """An IPv4 or IPv6 literal. An IPv6 zone id (after ``%``, RFC 6874) must be a Linux interface
-    name (:data:`IFNAME_RULE`) or a scope number: ``ipaddress`` accepts any text there, shell
-    metacharacters and spaces included, and the address reaches a remote shell line on pdsh."""
-    if not isinstance(value, str) or not value.isascii():
-        return False
-    try:
-        address = ipaddress.ip_address(value)
-    except ValueError:
-        return False
-    zone = getattr(address, "scope_id", None)
-    return zone is None or _IFNAME.fullmatch(zone) is not None
-
-
-def check_host_name(value, where: str) -> str:
-    """``value`` if it is an RFC 1123 host name, else a ValueError naming ``where``, it and the rule."""
-    if not is_host_name(value):
-        raise ValueError(f"{where}: {value!r} is not {HOST_NAME_RULE}")
-    return value
+# key -> (low, high, unit, default). Wide enough for any real cluster, narrow enough that every product the
+# planner forms stays finite (5e-324 ms made log() fail, 1e308 Gb/s overflowed a conversion to int).
+RANGES = {
+    "gpu_tflops": (1e-3, 1e5, "TFLOP/s", 100.0),
+    "gpu_memory_gb": (1e-3, 1e5, "GiB", 80.0),
+    "node_bandwidth_gbps": (1e-3, 1e6, "Gbit/s", 2400.0),
+    "intra_bandwidth_gbps": (1e-3, 1e6, "Gbit/s", 200.0),
+    "intra_latency_us": (1e-3, 1e7, "us", 10.0),
+    "rtt_ms": (1e-3, 1e5, "ms", None),
+    "bandwidth_gbps": (1e-3, 1e6, "Gbit/s", None),
+    "window_mb": (1e-3, 4096.0, "MiB", None),
+}
+MAX_SLOTS = 1024          # GPUs per host
+MAX_HOSTS = 4096          # hosts in the file
+MAX_DATACENTERS = 64
+# The model section: every size the planner loops over or multiplies is bounded (a topology with 10**7
+# layers or 10**12 sequences ran for hours). The search costs grow with pp (<= layers), the divisors of
+# the sequences per iteration and, per simulation, with the micro-batches: 4096 sequences plan in about
+# 7 s on two_dc; beyond that, raise micro_batch.
+MODEL_RANGES = {"layers": 4096, "hidden": 2**20, "seq": 2**24, "micro_batch": 2**16, "global_batch": 2**31,
+                "dtype_bytes": 16, "pp": 4096, "tp": MAX_SLOTS, "dp": 2**20}
+MAX_SEQUENCES = 4096      # global_batch / micro_batch
 
 
-def check_addr(value, where: str) -> str:
-    """A host name or an IP literal (IPv4 or IPv6): what ``--master_addr`` and MASTER_ADDR accept."""
-    if not (is_host_name(value) or is_ip_literal(value)):
-        raise ValueError(f"{where}: {value!r} is neither {HOST_NAME_RULE} nor an IPv4/IPv6 address "
-                         f"(an IPv6 zone id after '%' is {IFNAME_RULE})")
-    return value
-
-
-def check_ifname(value, where: str) -> str:
-    if not isinstance(value, str) or _IFNAME.fullmatch(value) is None:
-        raise ValueError(f"{where}: {value!r} is not {IFNAME_RULE}")
-    return value
-
-
-def check_seconds(value, where: str) -> float:
-    """A finite number of seconds > 0 (JSON number or decimal string)."""
-    try:
-        seconds = float(value) if not isinstance(value, bool) else math.nan
-    except (TypeError, ValueError):
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"{where}: {value!r} is not a finite number of seconds > 0")
-    return seconds
+def check_model(raw: dict, source: str) -> dict:
+    """The model section's sizes within :data:`MODEL_RANGES` (the rest: launch.plan.estimate.ModelSpec)."""
+    for key, hi in MODEL_RANGES.items():
+        if raw.get(key) is not None:
+            values.integer(raw[key], f"{source}.{key}", lo=1, hi=hi)
+    if "global_batch" in raw:
+        seqs = raw["global_batch"] // raw.get("micro_batch", 1)
+        if seqs > MAX_SEQUENCES:
+            values.refuse(f"{source}.global_batch", raw["global_batch"],
+                          f"global_batch / micro_batch = {seqs} sequences per iteration, more than the "
+                          f"planner searches in seconds ({MAX_SEQUENCES}); raise micro_batch")
+    return raw
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,16 +177,9 @@ class Topology:
         raise ValueError(f"{self.source}: no WAN entry between {a!r} and {b!r}")
 
 
-def load(path: str | Path) -> Topology:
-    """Read and validate a topology file."""
-    path = Path(path)
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"--atlas-topology {str(path)!r}: no such file") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--atlas-topology {str(path)!r}: not valid JSON ({e})") from None
-    return parse(raw, source=str(path))
+def load(path: str | Path, name: str = "--atlas-topology") -> Topology:
+    """Read (strict JSON, commweave.values.load_json) and validate a topology file."""
+    return parse(values.load_json(path, name, top=dict), source=str(path))
 
 
 def parse(raw: dict, source: str = "<topology>") -> Topology:
@@ -217,12 +188,32 @@ def parse(raw: dict, source: str = "<topology>") -> Topology:
     def fail(where: str, msg: str):
         raise ValueError(f"{source}: {where}: {msg}")
 
+    def value(check, v, where: str, *args, **kwargs):
+        """A commweave.values rule, its refusal prefixed with the file: "FILE: KEY=VALUE: RULE"."""
+        try:
+            return check(v, where, *args, **kwargs)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    def number(d: dict, key: str, where: str) -> float | None:
+        lo, hi, unit, default = RANGES[key]
+        v = d.get(key, default)
+        if v is None:
+            fail(f"{where}.{key}", f"is required (a number in [{lo:g}, {hi:g}] {unit})")
+        return value(values.number, v, f"{where}.{key}", lo=lo, hi=hi, unit=unit)
+
     if not isinstance(raw, dict):
         fail("top level", f"must be a JSON object, got {type(raw).__name__}")
     _no_unknown(raw, _TOP_KEYS, "top level", fail)
     dcs_raw = raw.get("datacenters")
     if not isinstance(dcs_raw, dict) or not dcs_raw:
         fail("datacenters", "must be a non-empty object {name: {hosts: [...]}}")
+    if len(dcs_raw) > MAX_DATACENTERS:
+        fail("datacenters", f"{len(dcs_raw)} data centers, more than {MAX_DATACENTERS}")
+    n_hosts = sum(len(d["hosts"]) for d in dcs_raw.values() if isinstance(d, dict)
+                  and isinstance(d.get("hosts"), list))
+    if n_hosts > MAX_HOSTS:
+        fail("datacenters", f"{n_hosts} hosts, more than the planner takes ({MAX_HOSTS})")
 
     seen_hosts: dict[str, str] = {}
     dcs = []
@@ -242,31 +233,28 @@ def parse(raw: dict, source: str = "<topology>") -> Topology:
             if not isinstance(h, dict):
                 fail(hw, f"must be an object {{name, slots[, addr]}}, got {h!r}")
             _no_unknown(h, _HOST_KEYS, hw, fail)
-            hname, slots = h.get("name"), h.get("slots")
             if "name" not in h:
                 fail(f"{hw}.name", "is required (the host name the launcher reaches it by)")
-            if not is_host_name(hname):
-                fail(f"{hw}.name", f"{hname!r} is not {HOST_NAME_RULE}")
+            hname = value(values.host_name, h["name"], f"{hw}.name")
             if hname.lower() in seen_hosts:
                 fail(f"{hw}.name", f"host {hname!r} is already listed in data center "
                                    f"{seen_hosts[hname.lower()]!r} (host names ignore case)")
-            if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
-                fail(f"{hw}.slots", f"must be a positive integer, got {slots!r}")
+            slots = value(values.integer, h.get("slots"), f"{hw}.slots", lo=1, hi=MAX_SLOTS, unit="GPUs")
             addr = h.get("addr")
-            if addr is not None and not (is_host_name(addr) or is_ip_literal(addr)):
-                fail(f"{hw}.addr", f"{addr!r} is neither {HOST_NAME_RULE} nor an IPv4/IPv6 address")
+            if addr is not None:
+                value(values.address, addr, f"{hw}.addr")
             seen_hosts[hname.lower()] = name
             hosts.append(Host(hname, slots, name, addr))
         ifname = d.get("ifname")
-        if ifname is not None and (not isinstance(ifname, str) or _IFNAME.fullmatch(ifname) is None):
-            fail(f"{where}.ifname", f"{ifname!r} is not one interface name, {IFNAME_RULE}")
+        if ifname is not None:
+            value(values.ifname, ifname, f"{where}.ifname")
         dcs.append(DataCenter(
             name, tuple(hosts), ifname,
-            gpu_flops=_positive(d, "gpu_tflops", 100.0, where, fail) * 1e12,
-            gpu_memory=_positive(d, "gpu_memory_gb", 80.0, where, fail) * 2**30,
-            node_bandwidth=_positive(d, "node_bandwidth_gbps", 2400.0, where, fail) * 1e9 / 8,
-            intra_bandwidth=_positive(d, "intra_bandwidth_gbps", 200.0, where, fail) * 1e9 / 8,
-            intra_latency=_positive(d, "intra_latency_us", 10.0, where, fail) * 1e-6))
+            gpu_flops=number(d, "gpu_tflops", where) * 1e12,
+            gpu_memory=number(d, "gpu_memory_gb", where) * 2**30,
+            node_bandwidth=number(d, "node_bandwidth_gbps", where) * 1e9 / 8,
+            intra_bandwidth=number(d, "intra_bandwidth_gbps", where) * 1e9 / 8,
+            intra_latency=number(d, "intra_latency_us", where) * 1e-6))
 
     names = [d.name for d in dcs]
     wan_raw = raw.get("wan", [])
@@ -289,35 +277,25 @@ def parse(raw: dict, source: str = "<topology>") -> Topology:
         if key in links:
             fail(where, f"a second WAN entry between {pair[0]!r} and {pair[1]!r}")
         links[key] = WanLink(pair[0], pair[1],
-                             rtt=_positive(w, "rtt_ms", None, where, fail) * 1e-3,
-                             bandwidth=_positive(w, "bandwidth_gbps", None, where, fail) * 1e9 / 8,
-                             window=(_positive(w, "window_mb", None, where, fail) * 2**20
-                                     if "window_mb" in w else None))
+                             rtt=number(w, "rtt_ms", where) * 1e-3,
+                             bandwidth=number(w, "bandwidth_gbps", where) * 1e9 / 8,
+                             window=number(w, "window_mb", where) * 2**20 if "window_mb" in w else None)
     for a, b in combinations(names, 2):
         if frozenset((a, b)) not in links:
             fail("wan", f"no WAN entry between {a!r} and {b!r}: every pair of data centers needs one "
                         "(rtt_ms, bandwidth_gbps)")
     model = raw.get("model")
-    if model is not None and not isinstance(model, dict):
-        fail("model", f"must be an object, got {model!r}")
+    if model is not None:
+        if not isinstance(model, dict):
+            fail("model", f"must be an object, got {model!r}")
+        value(check_model, model, "model")
     timeout = raw.get("timeout_s")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
-                                or not math.isfinite(timeout) or timeout <= 0):
-        fail("timeout_s", f"{timeout!r} is not a finite number of seconds > 0")
-    return Topology(tuple(dcs), tuple(links.values()), model, source,
-                    None if timeout is None else float(timeout))
+    if timeout is not None:
+        timeout = value(values.seconds, timeout, "timeout_s")
+    return Topology(tuple(dcs), tuple(links.values()), model, source, timeout)
 
 
 def _no_unknown(d: dict, allowed: set, where: str, fail) -> None:
     unknown = sorted(set(d) - allowed)
     if unknown:
         fail(where, f"unknown key(s) {unknown}; allowed: {sorted(allowed)}")
-
-
-def _positive(d: dict, key: str, default, where: str, fail) -> float:
-    v = d.get(key, default)
-    if v is None:
-        fail(f"{where}.{key}", "is required (a positive number)")
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
-        fail(f"{where}.{key}", f"must be a positive number, got {v!r}")
-    return float(v)

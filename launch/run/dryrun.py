@@ -108,6 +108,9 @@ def report(seen: Captured, launch, hostfile_path: str) -> str:
     if started_here:
         lines.append(f"command (run here): {shlex.join(seen.cmd)}")
     remote = _pdsh_remote(seen.cmd, launch) if not started_here else None
+    if remote is not None:
+        lines.append(f"command (run here): {shlex.join(seen.cmd[:_pdsh_start(launch)])} REMOTE-LINE "
+                     "(per node below)")
     names = [h.name for h in plan.hosts]
     nodes = [launch.node] if local and launch.node else names
     first = 0
@@ -131,7 +134,11 @@ def report(seen: Captured, launch, hostfile_path: str) -> str:
     return "\n".join(lines)
 
 
+def _pdsh_start(launch) -> int:
+    """Where the remote shell line starts in ``pdsh -S -f N -w HOSTS [launcher args] LINE...``."""
+    return 6 + len(split(launch.launcher_args))
+
+
 def _pdsh_remote(cmd: list[str], launch) -> str:
-    """The shell line pdsh runs on every host: what follows ``pdsh -S -f N -w HOSTS [launcher args]``."""
-    start = cmd.index("-w") + 2 + len(split(launch.launcher_args))
-    return " ".join(cmd[start:])
+    """The shell line pdsh runs on every host."""
+    return " ".join(cmd[_pdsh_start(launch):])

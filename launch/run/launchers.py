@@ -48,6 +48,71 @@ NO_SLOT_IDS = ("openmpi", "slurm", "mpich", "impi")
 UNIFORM_SLOTS = ("slurm", "mpich", "impi")
 
 
+# Every option of DeepSpeed's runner, and how it reaches the job on each path ("local": --no_ssh or a
+# one-host plan, where DeepSpeed's runner starts deepspeed.launcher.launch here). An option acts here (the
+# plan, the runner, the ssh check) or on the node command: there it is carried on every path that has a
+# way to carry it, and refused on the others with the reason (it used to be dropped without a word:
+# --bind_cores_to_rank on pdsh). tests/launch/run/test_passthrough.py checks every option of the parser
+# against this table on every path, so an option DeepSpeed adds fails the test until it is placed here.
+PATHS = ("local", *SUPPORTED)
+HERE = {  # dest -> what deepspeed-atlas or DeepSpeed's runner does with it here
+    "hostfile": "restricts the plan to its hosts and slots (each checked against the topology)",
+    "include": "restricts the plan to these hosts/slots",
+    "exclude": "removes these hosts/slots from the plan",
+    "num_nodes": "the plan may use the first N hosts (of --hostfile, else of the topology)",
+    "num_gpus": "the plan may use the first N slots of every host",
+    "master_port": "the rendezvous port (every node)", "master_addr": "the rendezvous address (every node)",
+    "node_rank": "with --no_ssh: this host's index in the plan's hostfile",
+    "launcher": "the path", "no_ssh": "the path: this host's ranks only",
+    "no_ssh_check": "skips DeepSpeed's ssh check", "force_multi": "the multi-node path for a one-host plan",
+    "user_script": "the script", "user_args": "its arguments, verbatim",
+}
+NODE = ("module", "no_python", "no_local_rank", "save_pid", "enable_each_rank_log", "bind_cores_to_rank",
+        "bind_core_list", "log_level", "quiet", "launcher_args", "ssh_port", "venv_script", "autotuning")
+_MPI_STARTS = ("{launcher} starts the script itself (no deepspeed.launcher.launch on the node) and has no "
+               "equivalent: ")
+_NO_BIND = "bind ranks to cores with the launcher's own option in --launcher_args (mpirun --bind-to core)"
+REFUSED_OPTIONS = {  # path -> {dest: why it cannot reach the nodes there}
+    "local": {"launcher_args": "no launcher runs on this path (this machine starts its ranks itself)",
+              "ssh_port": "no ssh on this path", "venv_script": "DeepSpeed sources it only on pdsh's "
+                                                               "remote shell; activate it here"},
+    "openmpi": {"save_pid": _MPI_STARTS + "no launcher process writes a pid file",
+                "enable_each_rank_log": _MPI_STARTS + "use mpirun --output-filename in --launcher_args",
+                "bind_cores_to_rank": _MPI_STARTS + _NO_BIND, "bind_core_list": _MPI_STARTS + _NO_BIND,
+                "ssh_port": "mpirun reaches the nodes with its own ssh settings: --launcher_args "
+                            "'--mca plm_rsh_args \"-p N\"'",
+                "venv_script": "DeepSpeed sources it only on pdsh's remote shell"},
+    "slurm": {"save_pid": _MPI_STARTS + "no launcher process writes a pid file",
+              "enable_each_rank_log": _MPI_STARTS + "use srun --output in --launcher_args",
+              "bind_cores_to_rank": _MPI_STARTS + "srun --cpu-bind=cores in --launcher_args",
+              "bind_core_list": _MPI_STARTS + "srun --cpu-bind=map_cpu:... in --launcher_args",
+              "ssh_port": "srun does not use ssh", "venv_script": "DeepSpeed sources it only on pdsh"},
+    "mpich": {"save_pid": _MPI_STARTS + "no launcher process writes a pid file",
+              "enable_each_rank_log": _MPI_STARTS + "use mpirun -outfile-pattern in --launcher_args",
+              "bind_cores_to_rank": _MPI_STARTS + "mpirun -bind-to core in --launcher_args",
+              "bind_core_list": _MPI_STARTS + "mpirun -bind-to user:... in --launcher_args",
+              "ssh_port": "Hydra reaches the nodes with its own launcher settings (-launcher-exec)",
+              "venv_script": "DeepSpeed sources it only on pdsh's remote shell"},
+    "impi": {"save_pid": _MPI_STARTS + "no launcher process writes a pid file",
+             "enable_each_rank_log": _MPI_STARTS + "use mpirun -outfile-pattern in --launcher_args",
+             "ssh_port": "Intel MPI reaches the nodes with its own bootstrap settings (-bootstrap-exec-args)",
+             "venv_script": "DeepSpeed sources it only on pdsh's remote shell"},
+}
+for _path in PATHS:   # DeepSpeed's autotuner launches its own experiments over the hostfile, not the plan
+    REFUSED_OPTIONS.setdefault(_path, {})["autotuning"] = (
+        "DeepSpeed's autotuner launches its own experiments on the whole hostfile, not on the plan; tune "
+        "with plain deepspeed on one data center, then launch the result with deepspeed-atlas")
+
+
+def check_options(path: str, args, parser) -> None:
+    """Refuse every node option set (not at its default) that ``path`` cannot carry, with the reason."""
+    for dest, why in REFUSED_OPTIONS.get(path, {}).items():
+        if getattr(args, dest) != parser.get_default(dest):
+            where = "--no_ssh or a one-host plan" if path == "local" else f"--launcher {path}"
+            raise ValueError(f"--{dest} {getattr(args, dest)!r} cannot reach the nodes with {where}: "
+                             f"{why.format(launcher=path)}")
+
+
 def check_env_name(key: str) -> str:
     key = key.strip()
     if not _SHELL_NAME.fullmatch(key):
@@ -104,7 +169,14 @@ def _pdsh_runner():
             if self.args.enable_each_rank_log:
                 _shell_safe(self.args.enable_each_rank_log, "--enable_each_rank_log")
             self.user_script = shlex.quote(self.args.user_script)
-            return super().get_cmd(environment, active_resources)
+            cmd, kill, env = super().get_cmd(environment, active_resources)
+            # DeepSpeed's pdsh line drops these (its local path and deepspeed.launcher.launch take them)
+            extra = ["--bind_cores_to_rank"] if self.args.bind_cores_to_rank else []
+            if self.args.bind_core_list is not None:
+                extra.append(shlex.quote(f"--bind_core_list={self.args.bind_core_list}"))
+            extra += [f"--log_level={self.args.log_level}"] + (["--quiet"] if self.args.quiet else [])
+            at = len(cmd) - len(self.user_arguments) - 1          # the script
+            return cmd[:at] + extra + cmd[at:], kill, env
 
     return AtlasPDSHRunner
 
@@ -138,6 +210,12 @@ def _slurm_runner():
             environment.update(self.exports)
             self.exports = {}
             cmd = super().get_cmd(environment, active_resources)
+            # DeepSpeed's srun line always runs "python -u SCRIPT": --no_python and --module were ignored
+            at = len(cmd) - len(self.user_arguments) - 3
+            if self.args.no_python:
+                del cmd[at:at + 2]
+            elif self.args.module:
+                cmd.insert(at + 2, "-m")
             at = cmd.index("-n") + 2
             placement = ["--nodelist", ",".join(self.hosts), "--nodes", str(len(self.hosts)),
                          "--ntasks-per-node", str(self.per_node), "--distribution", "block"]

@@ -10,8 +10,11 @@
 2. writes the DC-ordered hostfile and passes it as ``--hostfile`` (global ranks follow hostfile order,
    so the stages land in their data centers), and ``--master_addr`` from the first host's ``addr``
    (a one-host plan runs here: 127.0.0.1 and no ssh check, as plain ``deepspeed`` does without one);
-   ``--include/--exclude`` (DeepSpeed's ``NAME[:SLOT,...]@...``) select the hosts and slots the plan
-   may use, before it is made;
+   ``--hostfile``, ``--include/--exclude`` (DeepSpeed's ``NAME[:SLOT,...]@...``), ``--num_nodes`` and
+   ``--num_gpus`` select the hosts and slots the plan may use, before it is made, as ``deepspeed``
+   applies them (what contradicts the topology is refused); every other runner option reaches the
+   nodes or is refused with the reason (:data:`launch.run.launchers.REFUSED_OPTIONS`); script arguments
+   are never abbreviation-matched;
 3. sets ATLAS_*, NCCL_*, COMMWEAVE_TIMEOUT_S in the environment and hands over to DeepSpeed's own
    ``runner.main`` with the launcher subclasses of :mod:`launch.run.launchers`, which carry every value
    verbatim (pdsh quotes for the remote shell; MPI launchers and srun take arguments, not shell text).
@@ -41,9 +44,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from unittest import mock
 
+from commweave import values
 from launch.net.sockets import nccl_env
 from launch.plan import topology
-from launch.plan.placement import load_model, make_plan, render
+from launch.plan.placement import (
+    DEFAULT_SHARING,
+    SHARINGS,
+    UNVALIDATED,
+    load_model,
+    make_plan,
+    render,
+    sharing_modes,
+)
 from launch.plan.plan import Plan
 from launch.plan.socket_limits import tcp_advice
 from launch.run import launchers, runtime
@@ -76,15 +88,19 @@ def deepspeed_parser() -> argparse.ArgumentParser:
         runner.parse_args([])
     parser = box[0]
     parser.prog = "deepspeed-atlas"
+    # no abbreviations: a script argument "--atlas" matched --atlas-topology/--atlas-model ("ambiguous
+    # option") before the script's arguments were set aside
+    parser.allow_abbrev = False
     g = parser.add_argument_group("ATLAS (training across data centers)")
     g.add_argument("--atlas-topology", required=True, metavar="FILE",
                    help="topology JSON: data centers, hosts and slots, WAN rtt_ms/bandwidth_gbps")
     g.add_argument("--atlas-model", metavar="FILE", help="model JSON (else the topology's \"model\")")
     g.add_argument("--wan-connections", type=int, default=None, metavar="N",
                    help="TCP connections per WAN pipeline pair (1..64; default: the planner chooses)")
-    g.add_argument("--atlas-sharing", choices=("temporal", "spatial"), default=None,
-                   help="how DP replicas share a WAN link: take turns (temporal) or at once (spatial); "
-                        "default: the planner chooses")
+    g.add_argument("--atlas-sharing", default=DEFAULT_SHARING, metavar="|".join(SHARINGS),
+                   help="how DP replicas share a WAN link: at once (spatial, the default), taking turns "
+                        f"(temporal), or the faster by the planner's simulator (auto); temporal and auto are "
+                        f"{UNVALIDATED}")
     g.add_argument("--atlas-host", metavar="NAME", help="with --no_ssh: this host's name in the topology")
     g.add_argument("--atlas-hostfile", metavar="PATH", help="keep the generated hostfile at PATH")
     g.add_argument("--atlas-timeout", metavar="SECONDS",
@@ -113,26 +129,18 @@ class Launch:
 
 def prepare(argv: list[str], environ: Mapping[str, str] | None = None) -> Launch:
     """Everything that can fail, before anything launches."""
-    from deepspeed.launcher import runner
-
     environ = os.environ if environ is None else environ
-    args = deepspeed_parser().parse_args(argv)
+    parser = deepspeed_parser()
+    args = parser.parse_args(argv)
     script_at = len(argv) - len(args.user_args) - 1
     if argv[script_at] != args.user_script:
         raise ValueError(f"deepspeed-atlas: could not find the script {args.user_script!r} in the arguments")
-    if args.hostfile != runner.DLTS_HOSTFILE:
-        raise ValueError(f"--hostfile {args.hostfile!r}: the hosts come from --atlas-topology; "
-                         "drop --hostfile")
-    for name in ("num_nodes", "num_gpus"):
-        if getattr(args, name) != -1:
-            raise ValueError(f"--{name} {getattr(args, name)}: the plan decides the nodes and GPUs used; "
-                             "select hosts and slots with --include/--exclude or in the topology file")
     launcher = launchers.check_launcher(args.launcher)
     _check_arguments(args)
     _check_environment(environ)
 
     full = topology.load(args.atlas_topology)
-    topo, slot_ids = _filter(full, args.include, args.exclude)
+    topo, slot_ids = _filter(full, args)
     model = load_model(topo, args.atlas_model)
     plan = make_plan(topo, model, args.wan_connections, args.atlas_sharing)
     env = {"ATLAS_WAN_CONNS": str(plan.connections), "ATLAS_SHARING": plan.sharing,
@@ -142,15 +150,18 @@ def prepare(argv: list[str], environ: Mapping[str, str] | None = None) -> Launch
         env.update(nccl_env(plan.connections, links, environ))
     env[runtime.ENV_PLAN] = plan.encode()
     if args.atlas_timeout is not None:
-        env[TIMEOUT_ENV] = str(topology.check_seconds(args.atlas_timeout, "--atlas-timeout"))
+        env[TIMEOUT_ENV] = str(values.seconds(args.atlas_timeout, "--atlas-timeout", strings=True))
     elif TIMEOUT_ENV not in environ and topo.timeout_s is not None:
         env[TIMEOUT_ENV] = str(topo.timeout_s)
 
     head = _drop_ours(argv[:script_at])
-    head = _drop_option(_drop_option(head, "--include", "-i"), "--exclude", "-e")
+    for flags in (("--include", "-i"), ("--exclude", "-e"), ("--hostfile", "-H"), ("--num_nodes",),
+                  ("--num_gpus",)):
+        head = _drop_option(head, *flags)     # applied to the plan: its hostfile and --include say it all
     extra = []
     one_host = len(plan.hosts) == 1 and not args.force_multi
     local = one_host or args.no_ssh
+    launchers.check_options("local" if local else launcher, args, parser)
     master = args.master_addr or plan.hosts[0].addr or ("127.0.0.1" if one_host else None)
     if not args.master_addr and master:
         extra += ["--master_addr", master]
@@ -238,36 +249,49 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _check_arguments(args) -> None:
-    """Host names, addresses and ports given on the command line follow the topology file's rules."""
+    """Host names, addresses, ports, the timeout and the sharing mode given on the command line:
+    commweave.values' rules."""
     for name in ("master_port", "ssh_port"):
-        port = getattr(args, name)
-        if port is not None and not 1 <= port <= 65535:
-            raise ValueError(f"--{name} {port}: a TCP port is an integer in 1..65535")
+        if getattr(args, name) is not None:
+            values.port(getattr(args, name), f"--{name}")
     if args.master_addr:
-        topology.check_addr(args.master_addr, "--master_addr")
+        values.address(args.master_addr, "--master_addr")
     if args.atlas_host is not None:
-        topology.check_host_name(args.atlas_host, "--atlas-host")
+        values.host_name(args.atlas_host, "--atlas-host")
     if args.atlas_timeout is not None:
-        topology.check_seconds(args.atlas_timeout, "--atlas-timeout")
+        values.seconds(args.atlas_timeout, "--atlas-timeout", strings=True)
+    sharing_modes(args.atlas_sharing, "--atlas-sharing")
+
+
+# Integer knobs exported to the nodes that NCCL reads (NCCL takes -1 or garbage for its default or worse:
+# NCCL_BUFFSIZE=-1 reached every node); the ranges are NCCL's own limits or what a node can allocate.
+NCCL_INTEGERS = {"NCCL_BUFFSIZE": (4096, 2**30, "bytes per channel buffer"),
+                 "NCCL_SOCKET_NTHREADS": (1, 16, "threads"), "NCCL_NSOCKS_PERTHREAD": (1, 64, "sockets"),
+                 "NCCL_MIN_NCHANNELS": (1, 64, "channels"), "NCCL_MAX_NCHANNELS": (1, 64, "channels"),
+                 "NCCL_NTHREADS": (64, 512, "threads"), "NCCL_P2P_NET_CHUNKSIZE": (1024, 2**30, "bytes")}
 
 
 def _check_environment(environ: Mapping[str, str]) -> None:
-    """Variables this launcher reads or exports: interface lists, the timeout, exported names."""
+    """Variables this launcher reads or exports: interface lists, NCCL's integer knobs, the timeout,
+    exported names."""
     from deepspeed.launcher import runner
 
     gloo = environ.get("GLOO_SOCKET_IFNAME")
     if gloo is not None:
         for part in gloo.split(","):
-            topology.check_ifname(part, f"GLOO_SOCKET_IFNAME={gloo!r}: entry")
+            values.ifname(part, f"GLOO_SOCKET_IFNAME={gloo!r}: entry")
     nccl = environ.get("NCCL_SOCKET_IFNAME")
     if nccl is not None and not _NCCL_IFNAME.fullmatch(nccl):
-        raise ValueError(f"NCCL_SOCKET_IFNAME={nccl!r}: must be interface names or prefixes separated by "
-                         f"',' with an optional leading '^' (exclude) or '=' (exact); each is "
-                         f"{topology.IFNAME_RULE}")
+        values.refuse("NCCL_SOCKET_IFNAME", nccl, "must be interface names or prefixes separated by ',' with "
+                      f"an optional leading '^' (exclude) or '=' (exact); each "
+                      f"{values.IFNAME_RULE.removeprefix('must be ')}")
+    for key, (lo, hi, unit) in NCCL_INTEGERS.items():
+        if key in environ:
+            values.integer(environ[key], key, lo=lo, hi=hi, unit=unit, strings=True)
     if TIMEOUT_ENV in environ:
-        topology.check_seconds(environ[TIMEOUT_ENV], TIMEOUT_ENV)
+        values.seconds(environ[TIMEOUT_ENV], TIMEOUT_ENV, strings=True)
     if "ATLAS_HOST" in environ:
-        topology.check_host_name(environ["ATLAS_HOST"], "ATLAS_HOST")
+        values.host_name(environ["ATLAS_HOST"], "ATLAS_HOST")
     prefixes = tuple(EXPORT_PREFIXES + runner.EXPORT_ENVS)
     for key in environ:
         if key.startswith(prefixes):
@@ -302,30 +326,75 @@ def _check_launcher_fits(launcher: str, plan: Plan, master: str | None) -> None:
                          "or pass --master_addr")
 
 
-def _filter(topo: topology.Topology, include: str, exclude: str):
-    """The topology cut down to the hosts and slots ``--include``/``--exclude`` select (DeepSpeed's own
-    parser), and the selected slot ids per host; the unfiltered topology when neither is given."""
+def _filter(topo: topology.Topology, args):
+    """The topology cut down to the hosts and slots that ``--hostfile``, ``--include``/``--exclude`` and
+    ``--num_nodes``/``--num_gpus`` select, as DeepSpeed applies them (its own functions, in its order:
+    the hostfile, the filter, then the first N hosts and the first N slots of each), and the selected
+    slot ids per host; what contradicts the topology is refused naming both."""
     from deepspeed.launcher import runner
 
     pool = {h.name: list(range(h.slots)) for h in topo.hosts}
-    if not include and not exclude:
-        return topo, pool
-    flag = f"--include {include!r}" if include else f"--exclude {exclude!r}"
-    try:
-        chosen = runner.parse_resource_filter(pool, include_str=include, exclude_str=exclude)
-    except (ValueError, KeyError) as e:
-        raise ValueError(f"{flag}: {e} (hosts and slots of {topo.source}: "
-                         f"{ {h.name: h.slots for h in topo.hosts} })") from None
+    if args.hostfile != runner.DLTS_HOSTFILE:
+        pool = _hostfile_pool(topo, args.hostfile)
+    for name in ("num_nodes", "num_gpus"):
+        n = getattr(args, name)
+        if n != -1:
+            values.integer(n, f"--{name}", lo=1, hi=topology.MAX_HOSTS * topology.MAX_SLOTS)
+            if args.include or args.exclude:   # DeepSpeed's own rule
+                raise ValueError(f"--{name} {n}: cannot be combined with --include/--exclude "
+                                 "(as in deepspeed)")
+    if args.num_nodes > len(pool):
+        offer = "--hostfile offers" if args.hostfile != runner.DLTS_HOSTFILE else f"{topo.source} offers"
+        raise ValueError(f"--num_nodes {args.num_nodes}: {offer} {len(pool)} hosts {list(pool)}")
+    if args.num_gpus != -1:
+        hosts = list(pool)[:args.num_nodes] if args.num_nodes > 0 else list(pool)
+        short = {h: len(pool[h]) for h in hosts if len(pool[h]) < args.num_gpus}
+        if short:
+            raise ValueError(f"--num_gpus {args.num_gpus}: more than these hosts offer in {topo.source}: "
+                             f"{short}")
+    chosen = pool
+    if args.include or args.exclude:
+        flag = f"--include {args.include!r}" if args.include else f"--exclude {args.exclude!r}"
+        try:
+            chosen = runner.parse_resource_filter(pool, include_str=args.include, exclude_str=args.exclude)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"{flag}: {e} (hosts and slots of {topo.source}: "
+                             f"{ {h: len(s) for h, s in pool.items()} })") from None
+    chosen = runner.apply_num_nodes_and_gpus(chosen, args.num_nodes, args.num_gpus)
+    if chosen == {h.name: list(range(h.slots)) for h in topo.hosts}:
+        return topo, chosen
     dcs = []
     for dc in topo.datacenters:
         hosts = tuple(replace(h, slots=len(chosen[h.name])) for h in dc.hosts if chosen.get(h.name))
         if hosts:
             dcs.append(replace(dc, hosts=hosts))
     if not dcs:
-        raise ValueError(f"{flag}: selects no slot of {topo.source}")
+        raise ValueError(f"--include/--exclude/--hostfile: selects no slot of {topo.source}")
     names = {d.name for d in dcs}
     wan = tuple(w for w in topo.wan if {w.a, w.b} <= names)
     return replace(topo, datacenters=tuple(dcs), wan=wan), chosen
+
+
+def _hostfile_pool(topo: topology.Topology, path: str) -> dict[str, list[int]]:
+    """``--hostfile``: DeepSpeed's parser on the file; every host must be the topology's, with no more
+    slots than it has there."""
+    from deepspeed.launcher import runner
+
+    values.regular_file(path, "--hostfile")
+    try:
+        lines = Path(path).read_text().splitlines()
+        parsed = runner._parse_hostfile(lines)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"--hostfile {path!r}: {e}") from None
+    known = {h.name: h.slots for h in topo.hosts}
+    for name, slots in parsed.items():
+        if name not in known:
+            raise ValueError(f"--hostfile {path!r}: host {name!r} is not in {topo.source} "
+                             f"(its hosts: {list(known)})")
+        if slots > known[name]:
+            raise ValueError(f"--hostfile {path!r}: {name} slots={slots}, but {topo.source} gives it "
+                             f"{known[name]}")
+    return {name: list(range(slots)) for name, slots in parsed.items()}
 
 
 def _include(plan: Plan, slot_ids: dict[str, list[int]]) -> str:

@@ -26,12 +26,13 @@ def test_dry_run_passes(tmp_path):
     assert summary["dry_run"] and summary["passed"]
     names = [s["name"] for s in summary["steps"]]
     assert names == ["scripts", "tools", "wheels", "tests", "bench", "wallfacer_blocks", "wallfacer_packed",
-                     "parm", "bubbletea"], names
+                     "wallfacer_calibrate", "parm", "bubbletea"], names
     assert all(s["status"] == "PASS" for s in summary["steps"]), summary["steps"]
     log = (tmp_path / "gpu_check.log").read_text()
     assert "tests collected" in log and '"benchmark": "dispatch"' in log
     assert '"benchmark": "block_check", "device": "cpu", "passed": true' in log
     assert '"benchmark": "packed_check", "device": "cpu", "passed": true' in log
+    assert '"benchmark": "calibrate", "device": "cpu", "passed": true' in log
     assert "PASS parm dispatch-combine on cpu" in log and "PASS parm bf16-layer on cpu" in log
     assert '"benchmark": "bubbletea_gpu", "device": "cpu"' in log and '"max_diff_alone": 0.0' in log
 

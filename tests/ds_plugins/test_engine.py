@@ -142,3 +142,35 @@ def test_swap_keeps_parameters_and_is_detected_as_moe():
     assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)
     assert all(getattr(p, "allreduce", True) is False for n, p in after.items() if "experts" in n)
     assert dist.is_available()
+
+
+def _initialize_warnings(how: str, path: str) -> tuple[list[str], list[str]]:
+    """(the Parm warnings, the MoE layers' types) of one initialize call with "parm" enabled."""
+    import json
+    import warnings
+
+    lay = use_layout(2, 2)
+    net = Net(mlp(M, H), 2, k=2, capacity_factor=4.0, min_capacity=0)
+    config = _config(0, {"enabled": True})
+    if how == "plain, file":
+        with open(path, "w") as f:
+            json.dump(config, f)
+        config = path
+    init = ds_plugins.initialize if how == "ds_plugins" else deepspeed.initialize
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, *_ = init(model=net, model_parameters=net.parameters(), mpu=lay.mpu, config=config)
+    return ([str(w.message) for w in caught if "Parm is OFF" in str(w.message)],
+            [type(m).__name__ for m in engine.module.modules() if isinstance(m, MoE)])
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("how", ["plain, dict", "plain, file", "ds_plugins"])
+def test_plain_initialize_with_parm_enabled_warns_on_every_rank(world, tmp_path, how):
+    """Not a silent no-op (issue 23 item 3): the plain call keeps DeepSpeed's MoE and says so on every rank;
+    ds_plugins.initialize, which runs deepspeed.initialize itself, swaps and does not warn."""
+    for caught, layers in world.run(_initialize_warnings, how, str(tmp_path / "ds.json")):
+        if how == "ds_plugins":
+            assert caught == [] and layers == ["ParmMoE"]
+        else:
+            assert len(caught) == 1 and "Call ds_plugins.initialize" in caught[0] and layers == ["MoE"]

@@ -102,7 +102,7 @@ def test_every_schedule_drops_what_deepspeeds_gate_drops_on_the_full_batch(world
             assert err["counts_equal"] and err["rng_equal"], where
             for key in ("out", "l_aux", "grad_x", "grad_gate", "grad_experts"):
                 assert err[key] <= 2e-5 * max(1.0, err["scale"]), where
-        assert res["auto-k2"]["schedule"] in ("s1", "s2")
+        assert res["auto-k2"]["schedule"] in ("s1", "s2", "deepspeed")
 
 
 def _engine_losses(schedule: str | None, tokens: int, steps: int = 3):
@@ -191,5 +191,6 @@ def test_auto_trains_in_both_stages_of_a_pipeline(world):
     for rank, res in enumerate(world.run(_pipeline_both)):
         plain, _ = res["deepspeed"]
         losses, chosen = res["auto"]
-        assert len(chosen) == 1 and chosen[0] in ("s1", "s2"), (rank, chosen)  # one MoE per stage
+        # one MoE per stage
+        assert len(chosen) == 1 and chosen[0] in ("s1", "s2", "deepspeed"), (rank, chosen)
         assert losses == pytest.approx(plain, rel=1e-5, abs=1e-6), (rank, losses, plain)

@@ -39,7 +39,7 @@ def test_pipeline_rows_across_two_emulated_data_centers():
                                job_args=("--steps", "3", "--warmup-steps", "1", "--micro-batches", "2"))
     assert isinstance(rows, list), rows
     (stock, stock_what), (fast, fast_what) = rows
-    assert "1 TCP connection" in stock_what and "4 TCP connections, temporal sharing" in fast_what
+    assert "1 TCP connection" in stock_what and "4 TCP connections, spatial sharing" in fast_what
     assert atlas.same_losses(rows)                       # ATLAS moves the same bytes: identical losses
     assert stock.losses[-1] < stock.losses[0]
     for res in (stock, fast):

@@ -29,7 +29,8 @@ def test_branch_and_bound_picks_the_exhaustive_best(path):
     t = topology.load(path)
     model = dataclasses.replace(ModelSpec.from_dict(t.model), layers=6, global_batch=16)
     systems = [(list(atlas_layouts(t, model, DEFAULT_WINDOW)), BOTH)]
-    systems += [(list(layouts(t, model)), ("spatial",)) for layouts in baselines.LAYOUTS.values()]
+    if "two_dc" in path:   # the baselines' hostfile orders make them many: on one topology (3 DCs: 15 orders)
+        systems += [(list(layouts(t, model)), ("spatial",)) for layouts in baselines.LAYOUTS.values()]
     for layouts, sharings in systems:
         every = exhaustive(t, model, layouts, DEFAULT_WINDOW, sharings)
         assert all(lb <= sim * (1 + 1e-9) for lb, sim, _ in every)

@@ -49,16 +49,16 @@ def _broken(edit):
     (lambda r: r["datacenters"].update(north={"hosts": [{"name": "n0", "slots": 1}]}),
      "no WAN entry between 'east' and 'north'"),
     (lambda r: r["wan"].append(dict(r["wan"][0])), "a second WAN entry"),
-    (lambda r: r["wan"][0].update(rtt_ms=0), "wan[0].rtt_ms: must be a positive number"),
+    (lambda r: r["wan"][0].update(rtt_ms=0), "wan[0].rtt_ms=0: must be a finite number in [0.001, 100000]"),
     (lambda r: r["wan"][0].pop("bandwidth_gbps"), "wan[0].bandwidth_gbps: is required"),
     (lambda r: r["datacenters"]["west"]["hosts"].append({"name": "e0", "slots": 2}),
      "host 'e0' is already listed in data center 'east'"),
-    (lambda r: r["datacenters"]["west"]["hosts"][0].update(slots=0), "slots: must be a positive integer"),
-    (lambda r: r["datacenters"]["west"]["hosts"][0].update(slots="4"), "slots: must be a positive integer"),
+    (lambda r: r["datacenters"]["west"]["hosts"][0].update(slots=0), "slots=0: must be an integer in"),
+    (lambda r: r["datacenters"]["west"]["hosts"][0].update(slots="4"), "slots='4': must be an integer in"),
     (lambda r: r["datacenters"]["west"].update(gpus=4), "unknown key(s) ['gpus']"),
     (lambda r: r["datacenters"]["west"].update(hosts=[]), "hosts: must be a non-empty list"),
     (lambda r: r["datacenters"]["east"].update(ifname="eth0,eth1"),
-     "ifname: 'eth0,eth1' is not one interface name"),
+     "ifname='eth0,eth1': must be a Linux interface name"),
     (lambda r: r.update(datacenters={}), "datacenters: must be a non-empty object"),
 ])
 def test_bad_files_name_the_entry_and_the_rule(edit, message):
@@ -83,11 +83,11 @@ FIELDS = {   # where a value goes in the file -> (edit that puts it there, the f
     "dc name": (lambda r, v: r["datacenters"].update({v: r["datacenters"].pop("west")}) or
                 r["wan"][0].update(between=["east", v]), "datacenters", "is not a name of"),
     "host name": (lambda r, v: r["datacenters"]["west"]["hosts"][0].update(name=v),
-                  "datacenters.west.hosts[0].name", "is not an RFC 1123 host name"),
+                  "datacenters.west.hosts[0].name", "must be an RFC 1123 host name"),
     "addr": (lambda r, v: r["datacenters"]["east"]["hosts"][0].update(addr=v),
-             "datacenters.east.hosts[0].addr", "is neither an RFC 1123 host name"),
+             "datacenters.east.hosts[0].addr", "must be a host name or an IP address"),
     "ifname": (lambda r, v: r["datacenters"]["east"].update(ifname=v),
-               "datacenters.east.ifname", "is not one interface name, a Linux interface name"),
+               "datacenters.east.ifname", "must be a Linux interface name"),
     "wan between": (lambda r, v: r["wan"][0].update(between=["east", v]), "wan[0].between",
                     "unknown data center"),
 }
@@ -123,12 +123,12 @@ def test_ordinary_values_pass(field, value):
 @pytest.mark.parametrize("raw_edit, message", [
     (lambda r: r["datacenters"]["east"]["hosts"][0].update(name="W0"),
      "host 'w0' is already listed in data center 'east' (host names ignore case)"),
-    (lambda r: r["datacenters"]["east"]["hosts"][0].update(name="a" * 64), "is not an RFC 1123 host name"),
-    (lambda r: r["datacenters"]["east"].update(ifname="a" * 16), "is not one interface name"),
+    (lambda r: r["datacenters"]["east"]["hosts"][0].update(name="a" * 64), "must be an RFC 1123 host name"),
+    (lambda r: r["datacenters"]["east"].update(ifname="a" * 16), "must be a Linux interface name"),
     (lambda r: r["datacenters"]["east"]["hosts"][0].pop("name"), "hosts[0].name: is required"),
     (lambda r: r["wan"][0].update(between=[["east"], "west"]), "wan[0].between: must name two different"),
-    (lambda r: r.update(timeout_s=0), "timeout_s: 0 is not a finite number of seconds > 0"),
-    (lambda r: r.update(timeout_s="30"), "timeout_s: '30' is not a finite number of seconds > 0"),
+    (lambda r: r.update(timeout_s=0), "timeout_s=0: the timeout must be a finite number of seconds"),
+    (lambda r: r.update(timeout_s="30"), "timeout_s='30': the timeout must be a finite"),
 ])
 def test_more_rules(raw_edit, message):
     raw = copy.deepcopy(GOOD)

@@ -114,8 +114,8 @@ def test_hostile_topology_values_run_nothing_on_any_path(tools, tmp_path, capsys
 
 
 ARGUMENTS = {   # argument -> the rule its error states
-    "--master_addr": "is neither an RFC 1123 host name",
-    "--atlas-host": "is not an RFC 1123 host name",
+    "--master_addr": "must be a host name or an IP address",
+    "--atlas-host": "must be an RFC 1123 host name",
 }
 
 
@@ -127,15 +127,15 @@ def test_hostile_arguments_run_nothing(tools, tmp_path, capsys, option, kind):
     topo = _topology(tmp_path)
     for path, extra in PATHS.items():
         code, _, err = _run(["--atlas-topology", topo, *extra, option, value, SCRIPT, "--out", "x"], capsys)
-        assert code == 2 and f"{option}: {value!r} {ARGUMENTS[option]}" in err, (path, err)
+        assert code == 2 and f"{option}={value!r}: {ARGUMENTS[option]}" in err, (path, err)
     assert fakes.calls(tools) == [] and not ran(mark)
 
 
 ENVIRONMENT = {   # variable -> the rule its error states
-    "GLOO_SOCKET_IFNAME": "is not a Linux interface name",
+    "GLOO_SOCKET_IFNAME": "must be a Linux interface name",
     "NCCL_SOCKET_IFNAME": "must be interface names or prefixes",
-    "COMMWEAVE_TIMEOUT_S": "is not a finite number of seconds > 0",
-    "ATLAS_HOST": "is not an RFC 1123 host name",
+    "COMMWEAVE_TIMEOUT_S": "the timeout must be a finite number of seconds in [1, 604800]",
+    "ATLAS_HOST": "must be an RFC 1123 host name",
 }
 
 
@@ -155,10 +155,10 @@ def test_hostile_environment_runs_nothing(tools, tmp_path, capsys, monkeypatch, 
 
 
 @pytest.mark.parametrize("argv, env, message", [
-    (["--master_port", "0"], {}, "--master_port 0: a TCP port is an integer in 1..65535"),
-    (["--master_port", "65536"], {}, "--master_port 65536: a TCP port"),
-    (["--ssh_port", "70000"], {}, "--ssh_port 70000: a TCP port"),
-    (["--atlas-timeout", "nan"], {}, "--atlas-timeout: 'nan' is not a finite number of seconds"),
+    (["--master_port", "0"], {}, "--master_port=0: must be an integer in [1, 65535] (TCP port)"),
+    (["--master_port", "65536"], {}, "--master_port=65536: must be an integer in [1, 65535]"),
+    (["--ssh_port", "70000"], {}, "--ssh_port=70000: must be an integer in [1, 65535]"),
+    (["--atlas-timeout", "nan"], {}, "--atlas-timeout='nan': the timeout must be a finite number of seconds"),
     (["--launcher", "mvapich"], {}, "--launcher mvapich: DeepSpeed's mvapich runner needs MVAPICH2-GDR"),
     ([], {"ATLAS_X;touch": "1"}, "'ATLAS_X;touch' cannot be exported to the nodes"),
 ])

@@ -1,0 +1,247 @@
+"""The simulator against real DeepSpeed pipeline runs on the emulated WAN: the calibration matrix.
+
+    python -m benchmarks.atlas_calibration [--rtts 20,40] [--acts 256,1024] [--connections 1,8] [--steps 3]
+
+Each cell is examples/atlas_pipeline.py (2 stages x 2 replicas, 4 micro-batches, fp32) started by
+``deepspeed-atlas --no_ssh`` on two network namespaces joined by launch.net.wanemu (400 Mbit/s, the set
+RTT, TCP buffers capped at 256 KiB): one launch per (RTT, activation size) times the same engine with
+DeepSpeed's own p2p (stock) and with ATLAS at every (connections, sharing), medians of ``--steps``
+steps (the slowest rank's step time). Needs root.
+
+The prediction of a cell is launch.plan.simulate with ``schedule="deepspeed"`` (DeepSpeed's
+instruction order, blocking gloo send/recv that rendezvous: launch/plan/deepspeed_schedule.py) on:
+
+- the link (the fit set, measured on each RTT's link just before its cells, at the ranks' priority):
+  its rate, and for the stock send and each connection count, ``alpha + bytes / rate`` of one
+  transfer after an idle gap, through ping-pongs of 64 KiB and 2 MiB (benchmarks.wan.link_constants;
+  ``python -m benchmarks.wan --pingpong 64,2048 --normal-priority`` on a user's link): no pipeline
+  step time enters it;
+- the cell's compute: each stage's median ForwardPass (+ LoadMicroBatch) and BackwardPass, and its
+  ReduceGrads + OptimizerStep, as the ranks timed them (inputs, like a profile: nothing is fitted).
+
+The launched topology carries ``window_mb`` = min(the nodes' rmem/wmem maximum, the stock rate x RTT),
+so the plan the launcher prints uses the window the run gets. Prints the fit set, the table
+(measured, predicted, error), whether each cell is within ±25% and whether the simulator ranks the
+variants of each (RTT, size) as measured (pairs within 5% of each other in the measurement count as
+ties), and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from itertools import combinations
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RATE_MBIT, WINDOW_KIB, REPLICAS, MICRO_BATCHES = 400.0, 256, 2, 4
+TOLERANCE, TIE = 0.25, 0.05
+NODE_TIMEOUT = 600
+# (hidden, rows) per activation size in KiB: rows x hidden x 4 bytes
+SIZES = {256: (512, 128), 1024: (1024, 256), 64: (256, 64)}
+
+
+def variants(connections: list[int], sharings: tuple[str, ...] = ("spatial", "temporal")) -> list[str]:
+    return ["stock"] + [f"{k}:{mode}" for k in connections for mode in sharings]
+
+
+def topology(link, window: float, rtt_ms: float, hidden: int) -> dict:
+    def dc(host, addr, ifname):
+        return {"hosts": [{"name": host, "slots": REPLICAS, "addr": addr}], "ifname": ifname}
+
+    return {"datacenters": {"west": dc("w0", link.addr_a, link.ifname_a),
+                            "east": dc("e0", link.addr_b, link.ifname_b)},
+            "wan": [{"between": ["west", "east"], "rtt_ms": rtt_ms, "bandwidth_gbps": RATE_MBIT / 1e3,
+                     "window_mb": window / 2**20}],
+            "model": {"layers": 8, "hidden": hidden, "seq": 1, "micro_batch": 1, "dtype_bytes": 4,
+                      "global_batch": MICRO_BATCHES * REPLICAS, "pp": 2, "tp": 1, "dp": REPLICAS}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(link, topo: dict, args: list[str], tmp: Path) -> list[dict]:
+    """Both nodes through deepspeed-atlas --no_ssh, each under ``timeout``; the ranks' reports."""
+    path, out = tmp / "topology.json", tmp / "out"
+    path.write_text(json.dumps(topo))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    port, procs = str(_free_port()), []
+    for ns, where in ((link.a, ["--atlas-host", "w0"]), (link.b, ["--node_rank", "1"])):
+        cmd = ["timeout", str(NODE_TIMEOUT), sys.executable, "-m", "launch", "--atlas-topology", str(path),
+               "--no_ssh", *where, "--master_port", port, "examples/atlas_pipeline.py", "--out", str(out),
+               *args]
+        procs.append(link.lab.popen(ns, cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=NODE_TIMEOUT + 60)[0] for p in procs]
+    for p, log in zip(procs, logs, strict=True):
+        if p.returncode:
+            raise RuntimeError(f"a node exited {p.returncode}:\n{log[-4000:]}")
+    return [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"), key=lambda f: int(f.stem[4:]))]
+
+
+def measured(ranks: list[dict], variant: str) -> float:
+    """Median over the timed steps of the slowest rank's seconds per step."""
+    steps = zip(*(r["variants"][variant]["step_s"] for r in ranks), strict=True)
+    return statistics.median(max(s) for s in steps)
+
+
+def predict(ranks: list[dict], variant: str, act_bytes: int, link: dict) -> tuple[float, list]:
+    """The simulator's seconds per step for a cell, and the compute inputs it used (see the docstring)."""
+    from launch.plan.calibrated import LinkMode, WanSetting, compute_inputs, step_seconds
+
+    compute = compute_inputs([(r["stage"], r["variants"][variant]["ops"]) for r in ranks], 2)
+    return step_seconds(compute, REPLICAS, MICRO_BATCHES, act_bytes, link["link_Bps"],
+                        LinkMode.from_measured(link["modes"], variant, act_bytes),
+                        WanSetting.parse(variant)), compute
+
+
+def ranking_agrees(cells: list[dict]) -> list[str]:
+    """Pairs of variants of one group the simulator orders against the measurement (ties: within 5%)."""
+    bad = []
+    for a, b in combinations(cells, 2):
+        m = a["measured_s"] / b["measured_s"]
+        p = a["predicted_s"] / b["predicted_s"]
+        if abs(m - 1) > TIE and (m - 1) * (p - 1) < 0:
+            bad.append(f"{a['variant']} vs {b['variant']}: measured {m:.2f}, predicted {p:.2f}")
+    return bad
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rtts", default="20,40", help="round trips in ms")
+    ap.add_argument("--acts", default="256,1024", help=f"activation KiB per micro-batch, of {sorted(SIZES)}")
+    ap.add_argument("--connections", default="1,8")
+    ap.add_argument("--steps", type=int, default=3)
+    a = ap.parse_args(argv)
+    rtts = [float(x) for x in a.rtts.split(",")]
+    acts = [int(x) for x in a.acts.split(",")]
+    conns = [int(x) for x in a.connections.split(",")]
+    bad = [x for x in acts if x not in SIZES] + [x for x in conns if x < 1] + [x for x in rtts if x <= 0]
+    if bad or a.steps < 1:
+        raise ValueError(f"--acts in {sorted(SIZES)}, --connections >= 1, --rtts > 0, --steps >= 1; "
+                         f"got {bad or a.steps}")
+    result = run(rtts, acts, conns, a.steps)
+    if result is not None:
+        report(result)
+
+
+def run(rtts: list[float], acts: list[int], conns: list[int], steps: int,
+        sharings: tuple[str, ...] = ("spatial", "temporal")) -> dict | None:
+    from benchmarks.wan import link_constants
+    from launch.net import netns
+    from launch.net.wanemu import WanLink
+    from launch.plan.socket_limits import host_window
+
+    ok, reason = netns.available()
+    if not ok:
+        print(json.dumps({"bench": "atlas_calibration", "skipped": reason}))
+        return None
+    load, cells, links = [os.getloadavg()[0]], [], {}
+    for rtt_ms in rtts:
+        with WanLink(rtt=rtt_ms / 1e3, rate=RATE_MBIT * 1e6 / 8) as link:
+            for ns in (link.a, link.b):
+                ns.sysctl("net.ipv4.tcp_rmem", f"4096 131072 {WINDOW_KIB * 1024}")
+                ns.sysctl("net.ipv4.tcp_wmem", f"4096 16384 {WINDOW_KIB * 1024}")
+                ns.sysctl("net.ipv4.tcp_slow_start_after_idle", "0")
+            # the fit set: ping-pongs on this link, then the matrix (which nothing is fitted to)
+            constants = links[rtt_ms] = link_constants(link, connections=",".join(map(str, conns)))
+            # the window for the launched plan: the nodes' limits, or what one stock connection reached
+            one = constants["modes"]["stock"]["Bps"]
+            limit = min(host_window(lambda name, ns=ns: _read(ns, name), 1.0) for ns in (link.a, link.b))
+            window = min(limit, one * rtt_ms / 1e3)
+            for kib in acts:
+                hidden, rows = SIZES[kib]
+                args = ["--variants", ",".join(variants(conns, sharings)), "--steps", str(steps),
+                        "--warmup", "1", "--hidden", str(hidden), "--micro-batch", str(rows)]
+                with tempfile.TemporaryDirectory(prefix="atlas-cal-") as tmp:
+                    ranks = launch(link, topology(link, window, rtt_ms, hidden), args, Path(tmp))
+                for v in variants(conns, sharings):
+                    pred, comp = predict(ranks, v, rows * hidden * 4, constants)
+                    cells.append({"rtt_ms": rtt_ms, "act_kib": kib, "variant": v,
+                                  "measured_s": measured(ranks, v), "predicted_s": pred, "compute": comp})
+                load.append(os.getloadavg()[0])
+            drops = {k: v for k, v in link.drops().items() if v and not k.startswith("tcp_retrans")}
+            if drops:
+                print(f"warning: the WAN emulator lost packets at {rtt_ms:g} ms: {drops}")
+    return {"links": links, "cells": cells, "load": load}
+
+
+def _read(ns, name: str) -> str | None:
+    try:
+        return ns.read("/proc/sys/" + name.replace(".", "/")).strip()
+    except (OSError, RuntimeError):
+        return None
+
+
+def report(r: dict) -> None:
+    from launch.plan.calibrated import choose
+
+    cells = r["cells"]
+    print("the fit set: ping-pongs on each link (benchmarks.wan.link_constants), t = alpha + bytes / rate:")
+    for rtt, c in r["links"].items():
+        modes = ", ".join(f"{m}: {v['alpha_s'] * 1e3:.0f} ms + {v['Bps'] / 1e6:.1f} MB/s"
+                          for m, v in c["modes"].items())
+        print(f"  {rtt:g} ms: link {c['link_Bps'] / 1e6:.1f} MB/s; {modes}")
+    print(f"{'RTT':>4} {'act':>6} {'variant':<12} {'measured':>9} {'predicted':>9} {'error':>7}  "
+          f"{'F0/B0/F1/B1 ms':<20}")
+    groups, within = {}, []
+    for c in cells:
+        err = c["predicted_s"] / c["measured_s"] - 1
+        c["error"] = err
+        within.append(abs(err) <= TOLERANCE)
+        ms = "/".join(f"{getattr(c['compute'][s], k) * 1e3:.0f}" for s in (0, 1)
+                      for k in ("forward", "backward"))
+        print(f"{c['rtt_ms']:>4g} {c['act_kib']:>4}Ki {c['variant']:<12} {c['measured_s']:>8.3f}s "
+              f"{c['predicted_s']:>8.3f}s {err:>+7.1%}  {ms:<20}")
+        groups.setdefault((c["rtt_ms"], c["act_kib"]), []).append(c)
+    choices = {}
+    for (rtt, kib), g in groups.items():
+        # what the planner would pick before running ATLAS: the stock run's compute, the link's constants
+        best, _ = choose(g[0]["compute"], REPLICAS, MICRO_BATCHES, kib * 1024, r["links"][rtt]["link_Bps"],
+                         r["links"][rtt]["modes"], [c["variant"] for c in g])
+        fastest = min(g, key=lambda c: c["measured_s"])
+        by = {c["variant"]: c["measured_s"] for c in g}
+        choices[f"{rtt:g}ms/{kib}KiB"] = {"chosen": best, "measured_best": fastest["variant"],
+                                          "chosen_vs_best": round(by[best] / fastest["measured_s"], 3)}
+    print("calibrated choice (stock compute, link constants) vs the measured fastest: " + ", ".join(
+        f"{k} {v['chosen']} ({v['chosen_vs_best']:.2f}x the fastest, {v['measured_best']})"
+        for k, v in choices.items()))
+    misranked = {f"{k[0]:g}ms/{k[1]}KiB": ranking_agrees(v) for k, v in groups.items()}
+    misranked = {k: v for k, v in misranked.items() if v}
+    gains = {}
+    for (rtt, kib), g in groups.items():
+        by = {c["variant"]: c for c in g}
+        for k in sorted({v.split(":")[0] for v in by if v != "stock"}):
+            sp, tp = by.get(f"{k}:spatial"), by.get(f"{k}:temporal")
+            if sp and tp:
+                gains[f"{rtt:g}ms/{kib}KiB/{k}conn"] = {
+                    "measured": round(sp["measured_s"] / tp["measured_s"], 3),
+                    "predicted": round(sp["predicted_s"] / tp["predicted_s"], 3)}
+    print(f"within ±{TOLERANCE:.0%}: {sum(within)}/{len(within)}; rankings: "
+          f"{misranked if misranked else 'same in every group'}")
+    print("temporal gain (spatial s / temporal s): " + ", ".join(
+        f"{k} measured {v['measured']:.2f}x predicted {v['predicted']:.2f}x" for k, v in gains.items()))
+    print(f"load average (1 min) during the matrix: {', '.join(f'{x:.1f}' for x in r['load'])}")
+    print(json.dumps({"bench": "atlas_calibration", "cells": [
+        {k: (round(v, 4) if isinstance(v, float) else v) for k, v in c.items() if k != "compute"}
+        for c in cells],
+        "within": sum(within), "of": len(within), "misranked": misranked, "temporal_gain": gains,
+        "choices": choices,
+        "links": {str(k): {"link_MBps": round(v["link_Bps"] / 1e6, 1),
+                           "modes": {m: {"alpha_ms": round(x["alpha_s"] * 1e3, 1),
+                                         "MBps": round(x["Bps"] / 1e6, 2)} for m, x in v["modes"].items()}}
+                  for k, v in r["links"].items()},
+        "load1": [round(x, 1) for x in r["load"]]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The simulator's step time for a DeepSpeed pipeline run, from constants measured on the link and the run.
+
+What a prediction takes, and where each figure comes from (nothing here is fitted to step times):
+
+- the WAN: the link's rate, and for each way of sending (DeepSpeed's stock send, ATLAS with k
+  connections) what one transfer costs after an idle gap, t = alpha + bytes / rate (:class:`LinkMode`),
+  from ping-pongs of two sizes on the user's link (``python -m benchmarks.wan --pingpong 64,2048``,
+  benchmarks.wan.link_constants): a pipeline's transfers are bursts after idle gaps, where TCP moves
+  less than in a bulk transfer, and alpha carries the wake-ups of a busy host. k connections give
+  each connection rate/k; several transfers on one link share it per connection (fluid.py);
+- the compute: each stage's forward (with LoadMicroBatch), backward and end-of-batch step
+  (ReduceTiedGrads + ReduceGrads + OptimizerStep), as DeepSpeed's engine timed them
+  (:func:`compute_inputs` of the per-instruction medians examples/atlas_pipeline.py records): inputs,
+  as a profile is;
+- the schedule: DeepSpeed's own instruction order with blocking rendezvous send/recv
+  (launch/plan/deepspeed_schedule.py), spatial or temporal sharing, ``connections`` per WAN pair.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from launch.plan.simulate import Collective, Job, Route, simulate
+from launch.plan.socket_limits import STRIPE_MIN_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class StageCompute:
+    forward: float      # seconds per micro-batch (LoadMicroBatch included)
+    backward: float
+    step: float         # end of the batch: reduce tied grads, DP all-reduce, optimizer step
+
+
+@dataclass(frozen=True, slots=True)
+class LinkMode:
+    """One transfer alone on the link after an idle gap: ``alpha + bytes / rate`` seconds."""
+
+    alpha: float
+    rate: float
+
+    @classmethod
+    def from_measured(cls, modes: Mapping[str, Mapping[str, float]], setting: str,
+                      act_bytes: float = STRIPE_MIN_BYTES) -> LinkMode:
+        """From benchmarks.wan.link_constants' ``modes`` (``stock``, ``1``, ``8``, ...). A transfer of
+        ``act_bytes`` below STRIPE_MIN_BYTES goes whole over one connection of ATLAS's WAN group: the
+        ``1`` mode (the stock one where ``1`` was not measured)."""
+        key = "stock" if setting == "stock" else setting.split(":")[0]
+        if key not in ("stock", "1") and act_bytes < STRIPE_MIN_BYTES:
+            key = "1" if "1" in modes else "stock"
+        if key not in modes:
+            raise ValueError(f"link constants: no measurement for {key!r} (measured: {sorted(modes)})")
+        return cls(float(modes[key]["alpha_s"]), float(modes[key]["Bps"]))
+
+
+@dataclass(frozen=True, slots=True)
+class WanSetting:
+    connections: int = 1
+    sharing: str = "spatial"
+
+    @classmethod
+    def parse(cls, text: str) -> WanSetting:
+        """``stock`` (DeepSpeed's own p2p: one connection, every pipeline at once) or ``K:MODE``."""
+        if text == "stock":
+            return cls()
+        k, _, mode = text.partition(":")
+        if not (k.isdigit() and int(k) >= 1 and mode in ("spatial", "temporal")):
+            raise ValueError(f"WAN setting {text!r}: use 'stock' or K:spatial | K:temporal with K >= 1")
+        return cls(int(k), mode)
+
+
+def compute_inputs(ops_by_rank: Sequence[tuple[int, Mapping[str, float]]], stages: int) -> list[StageCompute]:
+    """Per stage, the median over its ranks of each rank's median instruction seconds;
+    ``ops_by_rank``: (stage, {instruction class name: seconds}) of every rank."""
+    out = []
+    for s in range(stages):
+        ops = [o for stage, o in ops_by_rank if stage == s]
+        if not ops:
+            raise ValueError(f"compute_inputs: no rank reported stage {s}")
+
+        def med(*names, ops=ops):
+            return statistics.median(sum(o.get(n, 0.0) for n in names) for o in ops)
+
+        out.append(StageCompute(med("ForwardPass", "LoadMicroBatch"), med("BackwardPass"),
+                                med("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")))
+    return out
+
+
+def step_seconds(compute: Sequence[StageCompute], replicas: int, micro_batches: int, act_bytes: float,
+                 bandwidth: float, mode: LinkMode, wan: WanSetting, wan_boundary: int | None = None) -> float:
+    """Seconds per ``train_batch`` of a DeepSpeed pipeline whose boundary ``wan_boundary`` (default: the
+    middle one) crosses a WAN of ``bandwidth`` bytes/s, where one transfer alone costs ``mode``; the
+    other boundaries stay inside a data center (taken as free)."""
+    S = len(compute)
+    if S < 2:
+        raise ValueError(f"step_seconds: a pipeline needs >= 2 stages, got {S}")
+    cut = (S - 1) // 2 if wan_boundary is None else wan_boundary
+    # below STRIPE_MIN_BYTES ATLAS sends a transfer whole, over one connection (mode: that connection's)
+    streams = wan.connections if act_bytes >= STRIPE_MIN_BYTES else 1
+    wan_route = Route(mode.alpha, bandwidth, ("a", "b"), streams, mode.rate / streams)
+    routes = tuple((wan_route if e == cut else Route(0.0, float("inf")),) * replicas for e in range(S - 1))
+    job = Job(tuple((c.forward,) * replicas for c in compute),
+              tuple((c.backward,) * replicas for c in compute), routes, act_bytes, micro_batches,
+              "deepspeed", wan.sharing, tuple(Collective(c.step) for c in compute))
+    return simulate(job).iteration
+
+
+def choose(compute: Sequence[StageCompute], replicas: int, micro_batches: int, act_bytes: float,
+           bandwidth: float, modes: Mapping[str, Mapping[str, float]], settings: Sequence[str],
+           margin: float = 0.05, allow_temporal: bool = False) -> tuple[str, dict[str, float]]:
+    """The WAN setting (of ``settings``, each measured in ``modes``) the calibrated simulator predicts
+    fastest, and every prediction.
+
+    Temporal sharing is not chosen unless ``allow_temporal``: in two runs of the calibration matrix
+    (benchmarks/atlas_calibration.py, README) it beat spatial sharing in a DeepSpeed pipeline once in
+    16 (RTT, size, connections) groups (1.13x; the same group measured 0.75x in the other run), while
+    the simulator, whose replicas run in lockstep, predicted 1.12x and 1.42x there: turns taken in a
+    fixed order wait for a replica that jitter made late. With ``allow_temporal`` it is chosen only
+    where it beats spatial sharing at the same connection count by more than ``margin``."""
+    candidates = [s for s in settings if allow_temporal or not s.endswith(":temporal")]
+    predicted = {s: step_seconds(compute, replicas, micro_batches, act_bytes, bandwidth,
+                                 LinkMode.from_measured(modes, s, act_bytes), WanSetting.parse(s))
+                 for s in settings}
+    best = min(candidates, key=predicted.get)
+    if best.endswith(":temporal"):
+        spatial = best.replace(":temporal", ":spatial")
+        if spatial in predicted and predicted[spatial] <= predicted[best] * (1 + margin):
+            best = spatial
+    return best, predicted

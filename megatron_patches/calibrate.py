@@ -1,0 +1,277 @@
+"""Measure this machine's cost profile (profile.py) with microbenchmarks, and write it for ``auto``:
+
+    python -m megatron_patches.estimate --calibrate --ranks 8 --out profile.json
+    python -m megatron_patches.calibrate --ranks 1 --device cuda --dtype bf16 --out gpu.json  # one GPU
+
+Every microbenchmark runs on all ``--ranks`` ranks at once (gloo processes on this machine, as the
+attention benchmark and a CPU job run them), because that is how the ranks of a step share the machine:
+on a box with fewer cores than ranks a rank's kernel gets a share of a core, and its messages cost CPU
+time too. Each figure is the median over ``--reps`` repetitions of the slowest rank.
+
+- ``intra``: a ring exchange (every rank sends n bytes to the next while receiving from the previous,
+  as a sub-ring hop does) at sizes 2^12..2^(12+k) bytes; α, β by least squares (cost.fit).
+- ``collectives``: all-gather, reduce-scatter and all-to-all (commweave.comm, as wallfacer.py calls them)
+  in groups of g consecutive ranks for every g > 1 dividing the ranks, all groups at once; α_g and
+  β_g fitted against the bytes each rank moves, n·(g−1)/g; efficiency = β_intra / β_g.
+- ``attention``: the per-block kernel wallfacer.py selects (block.select_kernel "auto"), on square
+  blocks of n rows for n in --rows, full and causal, forward followed by the online-softmax merge into
+  an accumulator (steps._merge, as attend does), backward followed by the three accumulations (as
+  attend_backward does); TFLOP/s counted as profile.FWD_FLOPS / BWD_FLOPS x score entries x b·h·d.
+- ``overlap``: one block forward (n = --overlap-rows) and one ring hop (--overlap-bytes) alone, then the
+  hop posted before the block and waited after it: (t_block + t_hop − t_both) / min(t_block, t_hop).
+- ``gemm_tflops``: a [4096, H] x [H, H] matmul (H = --hidden), 2·4096·H² FLOPs.
+
+Across nodes nothing is measured here (one machine): the profile has no ``inter`` link, and the cost
+model refuses to plan across nodes with it. With ``--ranks 1`` (one GPU) nothing but the kernels can be
+measured: the links come from --intra-GBps / --intra-latency-us and the profile's provenance says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from commweave import cost
+from megatron_patches.profile import BWD_FLOPS, CURVES, FWD_FLOPS, KINDS, Collective, Curve, Link, Profile, save
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn, reps: int, device, inner: int = 1) -> list[tuple[float, float]]:
+    """This rank's (wall, CPU) seconds per call of ``fn`` (``inner`` calls back to back), ``reps`` times,
+    every rank starting together (a barrier before each repetition). CPU: the process's, all threads."""
+    import torch.distributed as dist
+
+    fn()  # warm-up: first-call allocations and kernel selection outside the timing
+    out = []
+    for _ in range(reps):
+        if dist.is_initialized():
+            dist.barrier()
+        _sync(device)
+        t, c = time.perf_counter(), time.process_time()
+        for _ in range(inner):
+            fn()
+        _sync(device)
+        out.append(((time.perf_counter() - t) / inner, (time.process_time() - c) / inner))
+    return out
+
+
+def _ring(n: int, device):
+    from commweave import comm
+    import torch.distributed as dist
+
+    world, me = dist.get_world_size(), dist.get_rank()
+    send, recv = torch.empty(n // 4, device=device), torch.empty(n // 4, device=device)
+
+    def hop(wait: bool = True):
+        works = comm.batch_p2p([comm.P2P("send", send, (me + 1) % world, dist.group.WORLD),
+                                comm.P2P("recv", recv, (me - 1) % world, dist.group.WORLD)])
+        if wait:
+            comm.wait_all(works)
+        return works
+    return hop
+
+
+def _attention(rows: int, heads: int, d: int, dtype, device, causal: bool, backward: bool):
+    from megatron_patches.block import select_kernel
+    from megatron_patches.steps import _merge
+
+    kernel = select_kernel("auto", device, dtype, head_dim=d)
+    q, k, v, do = (torch.randn(1, heads, rows, d, dtype=dtype, device=device) for _ in range(4))
+    o, lse = kernel.forward(q, k, v, d ** -0.5, causal)
+    acc_o, acc_lse = o.float().clone(), lse.float().clone()
+    grads = [torch.zeros(1, heads, rows, d, dtype=torch.float32, device=device) for _ in range(3)]
+
+    def fwd():
+        o_b, lse_b = kernel.forward(q, k, v, d ** -0.5, causal)
+        _merge(acc_o, acc_lse, o_b.float(), lse_b.float())
+
+    def bwd():
+        for acc, g in zip(grads, kernel.backward(do, q, k, v, o, lse, d ** -0.5, causal), strict=True):
+            acc.add_(g)
+    return bwd if backward else fwd
+
+
+def _collective(kind: str, group, n: int, device):
+    from commweave import comm
+
+    g = comm.size(group)
+    if kind == "all_gather":  # n = the gathered buffer
+        inp, out = torch.empty(n // 4 // g, device=device), torch.empty(n // 4 // g * g, device=device)
+        return lambda: comm.all_gather(out, inp, group)
+    inp = torch.ones(n // 4 // g * g, device=device)
+    out = torch.empty(n // 4 // g, device=device) if kind == "reduce_scatter" else torch.empty_like(inp)
+    fn = comm.reduce_scatter if kind == "reduce_scatter" else comm.all_to_all
+    return lambda: fn(out, inp, group)
+
+
+def measure(cfg: dict) -> dict:
+    """On every rank: this rank's times of every microbenchmark (the parent takes the slowest)."""
+    import torch.distributed as dist
+
+    from commweave import comm
+
+    device, dtype, reps = torch.device(cfg["device"]), getattr(torch, cfg["dtype"]), cfg["reps"]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    out: dict = {"attention": {}}
+    for name in CURVES:
+        for rows in cfg["rows"]:
+            fn = _attention(rows, cfg["heads"], cfg["head_dim"], dtype, device, name.endswith("causal"),
+                            name.startswith("bwd"))
+            out["attention"][name, rows] = _timed(fn, reps, device)
+    a = torch.randn(4096, cfg["hidden"], dtype=dtype, device=device)
+    w = torch.randn(cfg["hidden"], cfg["hidden"], dtype=dtype, device=device)
+    out["gemm"] = _timed(lambda: a @ w, reps, device)
+    if world == 1:
+        return out
+    out["ring"] = {n: _timed(_ring(n, device), reps, device, cfg["inner"]) for n in cfg["sizes"]}
+    out["coll"] = {}
+    me = dist.get_rank()
+    for g in (g for g in range(2, world + 1) if world % g == 0):
+        groups = [comm.new_group(list(range(i, i + g)), f"calib{g}.{i}") for i in range(0, world, g)]
+        mine = groups[me // g]
+        for kind in KINDS:
+            for n in cfg["sizes"]:
+                fn = _collective(kind, mine, n * g, device)
+                out["coll"][kind, g, n * g] = _timed(fn, reps, device, cfg["inner"])
+    block = _attention(cfg["overlap_rows"], cfg["heads"], cfg["head_dim"], dtype, device, False, False)
+    hop = _ring(cfg["overlap_bytes"], device)
+
+    def both():
+        works = hop(wait=False)
+        block()
+        comm.wait_all(works)
+    out["overlap"] = {"block": _timed(block, reps, device), "hop": _timed(hop, reps, device),
+                      "both": _timed(both, reps, device)}
+    return out
+
+
+def profile_from(per_rank: list, cfg: dict, description: str, clock: str = "wall") -> Profile:
+    """The Profile of the ranks' measurements (see the module docstring for each derivation), in ``clock``
+    seconds: "wall" (median over repetitions of the slowest rank) or "cpu" (of the mean over ranks of
+    each rank's process CPU time: the work, which other users of a shared machine change less)."""
+    r0 = per_rank[0]
+
+    def _slowest(ranks: list, get) -> float:
+        series = [get(r) for r in ranks]
+        if clock == "wall":
+            return statistics.median(max(t[0] for t in ts) for ts in zip(*series, strict=True))
+        return statistics.median(statistics.mean(t[1] for t in ts) for ts in zip(*series, strict=True))
+    per = cfg["heads"] * cfg["head_dim"]
+    curves = {}
+    for name in CURVES:
+        per_flop = BWD_FLOPS if name.startswith("bwd") else FWD_FLOPS
+        pts = []
+        for rows in cfg["rows"]:
+            scores = rows * (rows + 1) / 2 if name.endswith("causal") else rows * rows
+            t = _slowest(per_rank, lambda r, k=(name, rows): r["attention"][k])
+            pts.append((float(scores), per_flop * scores * per / t / 1e12))
+        curves[name] = Curve(tuple(pts))
+    gemm = 2 * 4096 * cfg["hidden"] ** 2 / _slowest(per_rank, lambda r: r["gemm"]) / 1e12
+    provenance = {"ranks": len(per_rank), "device": cfg["device"], "dtype": cfg["dtype"], "clock": clock,
+                  "load_before": cfg.get("load_before"), "load_after": os.getloadavg()[0],
+                  "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "command": cfg.get("command")}
+    if "ring" not in r0:  # one rank: nothing to send to
+        provenance["links"] = (f"spec ({cfg['intra_gbytes']} GB/s, {cfg['intra_us']} us): one rank has no "
+                               f"peer to measure")
+        return Profile("measured", description, 1, Link(cfg["intra_us"] * 1e-6, cfg["intra_gbytes"]), {},
+                       curves, 1.0, gemm, provenance=provenance)
+    sizes = cfg["sizes"]
+    ring = cost.fit(sizes, [_slowest(per_rank, lambda r, n=n: r["ring"][n]) for n in sizes])
+    intra = Link(ring.model.alpha, 1 / max(ring.model.beta, 1e-15) / 1e9)
+    colls: dict = {}
+    for kind in KINDS:
+        for g in sorted({g for k, g, _ in r0["coll"] if k == kind}):
+            ns = sorted(n for k, gg, n in r0["coll"] if (k, gg) == (kind, g))
+            fit = cost.fit([n * (g - 1) / g for n in ns],
+                           [_slowest(per_rank, lambda r, key=(kind, g, n): r["coll"][key]) for n in ns])
+            eff = min(intra.beta / max(fit.model.beta, 1e-15), 4.0)
+            colls.setdefault(kind, {})[g] = Collective(fit.model.alpha, eff)
+    ov = {k: _slowest(per_rank, lambda r, k=k: r["overlap"][k]) for k in ("block", "hop", "both")}
+    overlap = (ov["block"] + ov["hop"] - ov["both"]) / min(ov["block"], ov["hop"])
+    provenance.update(ring_r2=round(ring.r2, 4), overlap_s={k: round(v, 6) for k, v in ov.items()})
+    return Profile("measured", description, len(per_rank), intra, colls, curves, min(max(overlap, 0.0), 1.0),
+                   gemm, provenance=provenance)
+
+
+def measurements(cfg: dict, world=None) -> list:
+    """Every rank's measurements, on ``world`` (a commweave World of cfg["ranks"]) or new ranks."""
+    if cfg["ranks"] == 1:
+        return [measure(cfg)]
+    if world is not None:
+        return world.run(measure, cfg, timeout=3600)
+    from commweave.world import World
+
+    with World(cfg["ranks"], timeout=3600, start_timeout=900) as w:
+        return w.run(measure, cfg)
+
+
+def calibrate(cfg: dict, description: str = "", world=None) -> dict[str, Profile]:
+    """The profile of cfg's microbenchmarks in both clocks: {"wall": ..., "cpu": ...}."""
+    cfg = {**cfg, "load_before": os.getloadavg()[0]}
+    description = description or f"{cfg['ranks']} {cfg['device']} rank(s) of this machine, {cfg['dtype']}"
+    per_rank = measurements(cfg, world)
+    return {clock: profile_from(per_rank, cfg, f"{description}, {clock} clock", clock) for clock in ("wall", "cpu")}
+
+
+def config(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m megatron_patches.estimate --calibrate",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--ranks", type=int, default=8, help="ranks measured at once (one per GPU of a node)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="what the profile's seconds are: wall time, or process CPU time (shared machines)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--inner", type=int, default=4, help="messages back to back per repetition")
+    p.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048])
+    p.add_argument("--sizes-log2", type=int, nargs=2, default=[12, 22], metavar=("LO", "HI"),
+                   help="message sizes 2^LO..2^HI bytes per rank")
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--overlap-rows", type=int, default=512)
+    p.add_argument("--overlap-bytes", type=int, default=1 << 20)
+    p.add_argument("--intra-GBps", type=float, default=450.0, help="--ranks 1 only: the link, from specs")
+    p.add_argument("--intra-latency-us", type=float, default=3.0, help="--ranks 1 only")
+    a = p.parse_args(argv)
+    for flag, value, low in (("--ranks", a.ranks, 1), ("--reps", a.reps, 1), ("--inner", a.inner, 1),
+                             ("--heads", a.heads, 1), ("--head-dim", a.head_dim, 1), ("--hidden", a.hidden, 1),
+                             ("--overlap-rows", a.overlap_rows, 1), ("--overlap-bytes", a.overlap_bytes, 4096)):
+        if value < low:
+            p.error(f"{flag} {value} must be >= {low}")
+    lo, hi = a.sizes_log2
+    if not 10 <= lo < hi <= 30:
+        p.error(f"--sizes-log2 {lo} {hi} must satisfy 10 <= LO < HI <= 30")
+    if not a.rows or min(a.rows) < 16 or len(set(a.rows)) != len(a.rows):
+        p.error(f"--rows {a.rows} must be distinct sizes >= 16")
+    if not (a.intra_GBps > 0 and a.intra_latency_us >= 0):
+        p.error(f"--intra-GBps {a.intra_GBps} must be > 0 and --intra-latency-us {a.intra_latency_us} >= 0")
+    return {"out": a.out, "clock": a.clock, "ranks": a.ranks, "device": a.device, "dtype": a.dtype, "reps": a.reps,
+            "inner": a.inner, "rows": sorted(a.rows), "sizes": [1 << i for i in range(lo, hi + 1)],
+            "heads": a.heads, "head_dim": a.head_dim, "hidden": a.hidden, "overlap_rows": a.overlap_rows,
+            "overlap_bytes": a.overlap_bytes, "intra_gbytes": a.intra_GBps, "intra_us": a.intra_latency_us}
+
+
+def main(argv=None) -> Profile:
+    cfg = config(argv)
+    cfg["command"] = "python -m megatron_patches.calibrate " + " ".join(sys.argv[1:] if argv is None else argv)
+    prof = calibrate(cfg)[cfg["clock"]]
+    save(prof, cfg["out"])
+    print(json.dumps(prof.to_json()))
+    return prof
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""A cluster's cost profile: every constant WallFacer's cost model (placement.estimate) uses, from one of
+two sources and nothing else:
+
+- ``measured``: microbenchmarks a user runs on their own ranks (``python -m megatron_patches.estimate
+  --calibrate PROFILE.json``, calibrate.py): point-to-point α/β inside a node (and across nodes where the
+  job has several), all-gather / reduce-scatter / all-to-all α and efficiency per group size, the attention
+  kernel's throughput per block size (forward, backward, full and causal blocks), the overlap of a hop
+  with a block's compute, and a GEMM's throughput;
+- ``spec``: public specifications (specs.py: line rates, peak FLOP/s, the FlashAttention-2 paper's
+  reported efficiency range), with every derivation written where it is made.
+
+Nothing in a profile is fitted to a result the model is then checked against (the paper's gains, the
+attention benchmark's rows). The JSON file (``FORMAT``) is what ``--wallfacer-profile`` /
+``COMMWEAVE_WALLFACER_PROFILE`` name for ``auto``::
+
+    {"format": "commweave-wallfacer-profile/1", "source": "measured", "description": "...",
+     "ranks_per_node": 8,
+     "intra": {"alpha_us": 61.0, "gbytes": 1.9},          # one rank's message inside a node
+     "inter": null | {"alpha_us": ..., "gbytes": ...},   # one rank's message between nodes (its NIC)
+     "node_gbytes": null | 400.0,                       # a node's whole network (all NICs together)
+     "collectives": {"all_gather": {"2": {"alpha_us": .., "efficiency": ..}, "4": ...}, "reduce_scatter":
+                     ..., "all_to_all": ...},            # on the intra link, every group running at once
+     "attention": {"fwd": [[scores, tflops], ...], "fwd_causal": ..., "bwd": ..., "bwd_causal": ...},
+     "overlap": 0.7, "gemm_tflops": 0.02, "provenance": {...}}
+
+A collective on g ranks moving n bytes per rank on a link of β s/byte costs α_g + β·n·(g−1)/g / e_g: e_g = 1
+is the ring/pairwise algorithm at the link's rate (cost.py), e_g < 1 what the measurement found less.
+Attention throughput is per call: a call of ``scores`` score entries (rows × keys; n(n+1)/2 causal) does
+4·scores·b·h·d FLOPs forward (QKᵀ and PV) and 10·… backward (FlashAttention-2's five matmuls), and takes
+FLOPs / throughput(scores), the throughput interpolated log-log between measured sizes (held at the ends).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+FORMAT = "commweave-wallfacer-profile/1"
+ENV = "COMMWEAVE_WALLFACER_PROFILE"
+SOURCES = ("measured", "spec")
+KINDS = ("all_gather", "reduce_scatter", "all_to_all")
+CURVES = ("fwd", "fwd_causal", "bwd", "bwd_causal")
+FWD_FLOPS, BWD_FLOPS = 4, 10  # per score entry, per (b·h·d): 2 matmuls forward, 5 backward (FA-2)
+
+
+def _number(value, name: str, low: float, strict: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < low or (strict and value == low):
+        rule = f"> {low:g}" if strict else f">= {low:g}"
+        raise ValueError(f"profile {name}={value!r} must be a finite number {rule}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Link:
+    """t(n) = alpha_s + n / (gbytes·10⁹) for one message of n bytes."""
+
+    alpha_s: float
+    gbytes: float
+
+    def __post_init__(self) -> None:
+        _number(self.alpha_s, "alpha", 0.0)
+        _number(self.gbytes, "gbytes", 0.0, strict=True)
+
+    @property
+    def beta(self) -> float:
+        return 1.0 / (self.gbytes * 1e9)
+
+
+@dataclass(frozen=True)
+class Collective:
+    alpha_s: float
+    efficiency: float
+
+    def __post_init__(self) -> None:
+        _number(self.alpha_s, "collective alpha", 0.0)
+        if _number(self.efficiency, "collective efficiency", 0.0, strict=True) > 4:
+            raise ValueError(f"profile collective efficiency={self.efficiency} must be <= 4 (a measurement "
+                             f"error: no collective beats its link fourfold)")
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Effective TFLOP/s of one kernel call against its score entries, sorted by size."""
+
+    points: tuple[tuple[float, float], ...]
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise ValueError("profile attention curve needs at least one [scores, tflops] point")
+        for n, t in self.points:
+            _number(n, "attention scores", 0.0, strict=True)
+            _number(t, "attention tflops", 0.0, strict=True)
+        if [n for n, _ in self.points] != sorted({n for n, _ in self.points}):
+            raise ValueError(f"profile attention curve sizes {[n for n, _ in self.points]} must increase")
+
+    def tflops(self, scores: float) -> float:
+        pts = self.points
+        if scores <= pts[0][0]:
+            return pts[0][1]
+        for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
+            if scores <= n1:
+                w = math.log(scores / n0) / math.log(n1 / n0)
+                return math.exp((1 - w) * math.log(t0) + w * math.log(t1))
+        return pts[-1][1]
+
+
+@dataclass(frozen=True)
+class Profile:
+    source: str
+    description: str
+    ranks_per_node: int
+    intra: Link
+    collectives: dict
+    attention: dict
+    overlap: float
+    gemm_tflops: float
+    inter: Link | None = None
+    node_gbytes: float | None = None
+    provenance: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"profile source={self.source!r} is not one of {SOURCES}")
+        if not isinstance(self.ranks_per_node, int) or isinstance(self.ranks_per_node, bool) \
+                or self.ranks_per_node < 1:
+            raise ValueError(f"profile ranks_per_node={self.ranks_per_node!r} must be an integer >= 1")
+        if set(self.attention) != set(CURVES):
+            raise ValueError(f"profile attention has curves {sorted(self.attention)}, needs {list(CURVES)}")
+        if not set(self.collectives) <= set(KINDS):
+            raise ValueError(f"profile collectives {sorted(self.collectives)} must be among {KINDS}")
+        for kind, table in self.collectives.items():
+            if not table or any(not isinstance(g, int) or g < 2 for g in table):
+                raise ValueError(f"profile collectives.{kind} group sizes {list(table)} must be integers >= 2")
+        if _number(self.overlap, "overlap", 0.0) > 1:
+            raise ValueError(f"profile overlap={self.overlap} must be in [0, 1]")
+        _number(self.gemm_tflops, "gemm_tflops", 0.0, strict=True)
+        if (self.inter is None) != (self.node_gbytes is None):
+            raise ValueError("profile inter and node_gbytes go together: both null (one node) or both given")
+        if self.node_gbytes is not None:
+            _number(self.node_gbytes, "node_gbytes", 0.0, strict=True)
+
+    def collective(self, kind: str, g: int) -> Collective:
+        """The measured (α, efficiency) of ``kind`` on g ranks; an unmeasured g takes the nearest measured
+        size's efficiency and α scaled by its step count (g−1)/(g'−1); none measured: the ring algorithm
+        at the link's rate (α per step, efficiency 1)."""
+        table = self.collectives.get(kind)
+        if not table:
+            return Collective((g - 1) * self.intra.alpha_s, 1.0)
+        if g in table:
+            return table[g]
+        near = min(table, key=lambda m: (abs(math.log(m / g)), m))
+        return Collective(table[near].alpha_s * (g - 1) / (near - 1), table[near].efficiency)
+
+    def to_json(self) -> dict:
+        out = {"format": FORMAT, **asdict(self)}
+        for name in ("intra", "inter"):
+            link = getattr(self, name)
+            out[name] = None if link is None else {"alpha_us": link.alpha_s * 1e6, "gbytes": link.gbytes}
+        out["collectives"] = {k: {str(g): {"alpha_us": c.alpha_s * 1e6, "efficiency": c.efficiency}
+                                  for g, c in sorted(t.items())} for k, t in self.collectives.items()}
+        out["attention"] = {k: [list(p) for p in self.attention[k].points] for k in CURVES}
+        return out
+
+
+def _link(raw, name: str) -> Link | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) != {"alpha_us", "gbytes"}:
+        raise ValueError(f"profile {name}={raw!r} must be {{'alpha_us': ..., 'gbytes': ...}}")
+    return Link(_number(raw["alpha_us"], f"{name}.alpha_us", 0.0) * 1e-6, raw["gbytes"])
+
+
+def from_json(raw: dict, source: str = "<profile>") -> Profile:
+    """A Profile from its JSON object; ValueError naming the file, the field and the rule."""
+    try:
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            got = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+            raise ValueError(f"format={got!r} must be {FORMAT!r}")
+        known = {"format", "source", "description", "ranks_per_node", "intra", "inter", "node_gbytes",
+                 "collectives", "attention", "overlap", "gemm_tflops", "provenance"}
+        if set(raw) - known:
+            raise ValueError(f"unknown fields {sorted(set(raw) - known)}")
+        colls = {}
+        for kind, table in (raw.get("collectives") or {}).items():
+            if not isinstance(table, dict):
+                raise ValueError(f"collectives.{kind} must map group sizes to {{alpha_us, efficiency}}")
+            colls[kind] = {}
+            for g, c in table.items():
+                if not (isinstance(g, str) and g.isdigit()) or not isinstance(c, dict) \
+                        or set(c) != {"alpha_us", "efficiency"}:
+                    raise ValueError(f"collectives.{kind}.{g}={c!r} must be {{alpha_us, efficiency}} under "
+                                     f"an integer group size")
+                colls[kind][int(g)] = Collective(_number(c["alpha_us"], f"{kind}.alpha_us", 0) * 1e-6,
+                                                 c["efficiency"])
+        att = raw.get("attention")
+        if not isinstance(att, dict):
+            raise ValueError(f"attention={att!r} must map {list(CURVES)} to [[scores, tflops], ...]")
+        curves = {}
+        for k, pts in att.items():
+            if not isinstance(pts, list) or any(not isinstance(p, list) or len(p) != 2 for p in pts):
+                raise ValueError(f"attention.{k} must be a list of [scores, tflops] pairs")
+            curves[k] = Curve(tuple((p[0], p[1]) for p in pts))
+        missing = [k for k in ("source", "ranks_per_node", "intra", "overlap", "gemm_tflops") if k not in raw]
+        if missing:
+            raise ValueError(f"missing fields {missing}")
+        return Profile(raw["source"], str(raw.get("description", "")), raw["ranks_per_node"],
+                       _link(raw["intra"], "intra"), colls, curves, raw["overlap"], raw["gemm_tflops"],
+                       _link(raw.get("inter"), "inter"), raw.get("node_gbytes"), raw.get("provenance") or {})
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def load(path: str) -> Profile:
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except OSError as e:
+        raise ValueError(f"wallfacer profile {path!r} cannot be read: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"wallfacer profile {path!r} is not JSON: {e}") from None
+    return from_json(raw, path)
+
+
+def save(profile: Profile, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(profile.to_json(), f, indent=1)
+        f.write("\n")
+
+
+def profile_path(given: str | None = None) -> str | None:
+    """The profile ``auto`` reads: the given path (``--wallfacer-profile``), else $COMMWEAVE_WALLFACER_PROFILE,
+    else None (no profile: the spec model from the cluster arguments, which auto says it uses)."""
+    return given or os.environ.get(ENV) or None

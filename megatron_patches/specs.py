@@ -1,0 +1,79 @@
+"""Cost profiles from public specifications, for clusters one cannot calibrate (the paper's, a what-if).
+
+Every number below is a vendor's line rate or peak, a protocol's framing overhead, or a kernel's
+efficiency as its authors published it; none is chosen to reproduce a WallFacer result. Where a spec
+leaves a value open the choice is the idealisation, written down, and the README's validation table
+says what that costs.
+
+GPUs (NVIDIA data sheets; dense bf16 without sparsity; NVLink per direction = half the quoted
+bidirectional total):
+
+    A100 SXM4       312 TFLOP/s    NVLink 3: 12 links x 25 GB/s = 300 GB/s
+    H100 SXM5       989 TFLOP/s    NVLink 4: 18 links x 25 GB/s = 450 GB/s
+
+Links: the line rate times the payload share of a frame, and nothing else (first principles: ring
+and pairwise algorithms are bandwidth-optimal, so a collective's efficiency is 1 and its α is one
+per ring step; a hop on its own stream overlaps the block fully, overlap = 1):
+
+    InfiniBand      payload share 1 (4 KiB MTU, ~1% headers: below the precision of anything here)
+    Ethernet, TCP   1448 / 1538 = 0.941 at MTU 1500 (Ethernet's 38 bytes of preamble, header, FCS and
+                    inter-frame gap, IPv4 20, TCP 20 + 12 of timestamps); one flow may fill the NIC
+    latency α       3 µs NVLink, 10 µs InfiniBand, 25 µs TCP: the order of NCCL's small-message
+                    latencies; at the paper's message sizes (MBs) α is under 1% of any step
+
+Attention kernel (the paper runs FlashAttention, App. A.3): FlashAttention-2 (Dao, arXiv 2307.08691)
+reports 50-73% of the A100's peak, rising with the sequence length; this takes 50% for a 512 x 512
+block and 73% for 16K x 16K, log-log in between, forward and backward alike, causal as full (the paper
+gives the range, not a curve per mask). On H100 FlashAttention-2 reaches 335 TFLOP/s at its best
+(the same paper's H100 figure): 34% of peak, the short end scaled alike (0.34 x 50/73).
+
+GEMMs (the layer's other work, for the throughput gains of whole layers): 75% of peak, the middle of
+the 70-80% that NVIDIA's published cuBLAS bf16 figures show for large GEMMs on A100 and H100.
+"""
+
+from __future__ import annotations
+
+from megatron_patches.profile import CURVES, Curve, Link, Profile
+
+GPUS = {  # name: (dense bf16 TFLOP/s, NVLink GB/s per direction, attention kernel)
+    "a100": (312.0, 300.0, "fa2-a100"),
+    "h100": (989.0, 450.0, "fa2-h100"),
+}
+KERNELS = {  # FlashAttention-2's share of peak at a 512² and a 16384² block (module docstring)
+    "fa2-a100": (0.50, 0.73),
+    "fa2-h100": (0.34 * 0.50 / 0.73, 0.34),
+}
+PAYLOAD = {"ib": 1.0, "ethernet": 1448 / 1538}
+GEMM_EFFICIENCY = 0.75
+
+
+def spec_profile(ranks_per_node: int, intra_gbytes: float, node_gbytes: float,
+                 rank_nic_gbytes: float | None = None, intra_us: float = 3.0, nic_us: float = 10.0,
+                 tflops: float = 989.0, network: str = "ib", kernel: str = "fa2-a100") -> Profile:
+    """A spec profile: GB/s line rates (one GPU's intra-node link one way, a node's network, one GPU's NIC,
+    default the node's), latencies in µs, peak dense TFLOP/s, ``network`` "ib" or "ethernet" (payload
+    share), ``kernel`` one of KERNELS (its efficiency range times ``tflops``)."""
+    if network not in PAYLOAD:
+        raise ValueError(f"network={network!r} is not one of {sorted(PAYLOAD)}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} is not one of {sorted(KERNELS)}")
+    if not (isinstance(ranks_per_node, int) and ranks_per_node >= 1) or not tflops > 0:
+        raise ValueError(f"ranks_per_node={ranks_per_node} must be an integer >= 1 and tflops={tflops} > 0")
+    pay = PAYLOAD[network]
+    rank_nic = node_gbytes if rank_nic_gbytes is None else rank_nic_gbytes
+    low, high = KERNELS[kernel]
+    curve = Curve(((512.0 ** 2, low * tflops), (16384.0 ** 2, high * tflops)))
+    return Profile(
+        "spec", f"public specs: {ranks_per_node}/node, {intra_gbytes:g} GB/s intra, {node_gbytes:g} GB/s "
+                f"{network} per node, {tflops:g} TFLOP/s, {kernel}",
+        ranks_per_node, Link(intra_us * 1e-6, intra_gbytes), {}, dict.fromkeys(CURVES, curve),
+        overlap=1.0, gemm_tflops=GEMM_EFFICIENCY * tflops, inter=Link(nic_us * 1e-6, rank_nic * pay),
+        node_gbytes=node_gbytes * pay, provenance={"specs": __name__})
+
+
+def gpu_profile(gpu: str, ranks_per_node: int, node_gbits: float, nics_per_node: int, network: str) -> Profile:
+    """The spec profile of one of GPUS with a node network of ``node_gbits`` Gb/s over ``nics_per_node``."""
+    tflops, nvlink, kernel = GPUS[gpu]
+    node = node_gbits / 8
+    return spec_profile(ranks_per_node, nvlink, node, node / nics_per_node, 3.0,
+                        10.0 if network == "ib" else 25.0, tflops, network, kernel)

@@ -1,0 +1,77 @@
+"""The cost model's calibration and its out-of-sample check on this machine (benchmarks.cost_model).
+
+The derivations of calibrate.profile_from are checked on synthetic measurements with known α, β,
+efficiencies and overlap (cheap); the ranking check itself — calibrate P = 4 ranks from the
+microbenchmarks alone, measure every (U, C, order) candidate, compare — runs on a reduced set in CPU time
+(the work, which the other users of this shared machine change less than the wall time) and is slow.
+"""
+
+import pytest
+
+from benchmarks.cost_model import kendall_tau, main, summarize
+from megatron_patches.calibrate import config, profile_from
+from megatron_patches.profile import BWD_FLOPS, FWD_FLOPS
+
+
+def test_kendall_tau_b():
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert kendall_tau([1, 2, 3, 4], [40, 30, 20, 10]) == -1.0
+    assert kendall_tau([1, 2, 3, 4], [10, 30, 20, 40]) == pytest.approx(4 / 6)
+    # a tie in the model (two orders on one node): the pair counts in tau-b's denominator only
+    assert kendall_tau([1, 1, 3], [1, 2, 3]) == pytest.approx(2 / (2 * 3) ** 0.5)
+
+
+def test_summary_ranks_and_the_pick():
+    rows = [{"name": n, "measured_ms": m, "predicted_ms": p} for n, m, p in
+            (("a", 10.0, 5.0), ("b", 9.8, 6.0), ("c", 20.0, 30.0))]
+    t = summarize(rows)
+    assert (t["pick"], t["best"]) == ("a", "b") and t["pick_over_best"] == pytest.approx(10 / 9.8)
+    assert [r["measured_rank"] for r in t["rows"]] == [2, 1, 3]
+    assert [r["predicted_rank"] for r in t["rows"]] == [1, 2, 3]
+
+
+def _synthetic(cfg, ranks=2):
+    """Per-rank measurements of a machine with known constants: ring α = 50 µs, 2 GB/s; all-gather at 50%
+    of the link, α_2 = 80 µs; kernels at 1 TFLOP/s; block 4 ms, hop 2 ms, both 5 ms (overlap 1/2)."""
+    def t(sec):
+        return [(sec, sec / 2)] * cfg["reps"]   # (wall, cpu): the CPU clock sees half
+
+    per = cfg["heads"] * cfg["head_dim"]
+    att = {}
+    for name in ("fwd", "fwd_causal", "bwd", "bwd_causal"):
+        for rows in cfg["rows"]:
+            scores = rows * (rows + 1) / 2 if name.endswith("causal") else rows * rows
+            att[name, rows] = t((BWD_FLOPS if name.startswith("bwd") else FWD_FLOPS) * scores * per / 1e12)
+    coll = {}
+    for kind, eff in (("all_gather", 0.5), ("reduce_scatter", 1.0), ("all_to_all", 0.25)):
+        for n in cfg["sizes"]:
+            coll[kind, 2, 2 * n] = t(80e-6 + 2 * n * 0.5 / (eff * 2e9))
+    one = {"attention": att, "gemm": t(2 * 4096 * cfg["hidden"] ** 2 / 3e12),
+           "ring": {n: t(50e-6 + n / 2e9) for n in cfg["sizes"]}, "coll": coll,
+           "overlap": {"block": t(4e-3), "hop": t(2e-3), "both": t(5e-3)}}
+    return [one] * ranks
+
+
+def test_profile_from_recovers_the_constants():
+    cfg = config(["--out", "x", "--reps", "3", "--rows", "64", "256", "--sizes-log2", "12", "16"])
+    prof = profile_from(_synthetic(cfg), cfg, "synthetic")
+    assert prof.intra.alpha_s == pytest.approx(50e-6) and prof.intra.gbytes == pytest.approx(2.0)
+    assert prof.collectives["all_gather"][2].efficiency == pytest.approx(0.5)
+    assert prof.collectives["all_gather"][2].alpha_s == pytest.approx(80e-6)
+    assert prof.collectives["all_to_all"][2].efficiency == pytest.approx(0.25)
+    assert all(t == pytest.approx(1.0) for c in prof.attention.values() for _, t in c.points)
+    assert prof.gemm_tflops == pytest.approx(3.0) and prof.overlap == pytest.approx(0.5)
+    cpu = profile_from(_synthetic(cfg), cfg, "synthetic", clock="cpu")   # every time halved
+    assert cpu.intra.gbytes == pytest.approx(4.0) and cpu.gemm_tflops == pytest.approx(6.0)
+    assert cpu.provenance["clock"] == "cpu"
+
+
+@pytest.mark.slow
+def test_the_model_ranks_the_candidates_as_measured_p4(capsys):
+    """P = 4, 8 heads x 32, 256 rows per rank: U = 1 C = 1 / 2, U = 2 C = 1, U = 4 C = 1."""
+    out = main(["--worlds", "4", "--seq-per-rank", "256", "--heads", "8", "--head-dim", "32", "--reps", "3",
+                "--calib-reps", "3", "--rows", "32", "128", "512", "1024", "--sizes-log2", "12", "19"])
+    t = out["P4"]["cpu"]
+    assert len(t["rows"]) == 4
+    assert t["kendall_tau"] >= 0.8, capsys.readouterr().out
+    assert t["pick_over_best"] <= 1.05, capsys.readouterr().out

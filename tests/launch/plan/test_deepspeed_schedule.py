@@ -1,0 +1,87 @@
+"""DeepSpeed's pipeline engine in the simulator: its instruction order against DeepSpeed's own
+TrainSchedule, and blocking rendezvous transfers against a hand-derived timeline."""
+
+import pytest
+
+from launch.plan.deepspeed_schedule import train_schedule
+from launch.plan.simulate import Collective, Job, Route, simulate
+
+
+def _deepspeed_order(stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
+    """DeepSpeed's TrainSchedule, each p2p/compute instruction with the micro-batch it moves."""
+    from deepspeed.runtime.pipe import schedule as S
+
+    names = {S.SendActivation: "send_act", S.RecvActivation: "recv_act", S.SendGrad: "send_grad",
+             S.RecvGrad: "recv_grad", S.ForwardPass: "F", S.BackwardPass: "B"}
+    sched = S.TrainSchedule(micro_batches=micro_batches, stages=stages, stage_id=stage)
+    out, prev = [], -1
+    for step, cmds in enumerate(sched.steps()):
+        mb, _ = sched._step_to_micro_batch(step)
+        for cmd in cmds:
+            if type(cmd) in names:
+                name = names[type(cmd)]
+                out.append((name, prev if name.startswith("send") else mb))
+        prev = mb
+    return [*out, ("step", -1)]
+
+
+@pytest.mark.parametrize("stages, micro_batches", [(2, 1), (2, 4), (3, 2), (3, 5), (4, 4), (5, 8)])
+def test_instruction_order_is_deepspeeds(stages, micro_batches):
+    for s in range(stages):
+        assert train_schedule(s, stages, micro_batches) == _deepspeed_order(s, stages, micro_batches)
+
+
+def _job(route: Route, replicas=1, micro_batches=2, sharing="spatial", step=0.0) -> Job:
+    D = replicas
+    return Job(((1.0,) * D, (1.0,) * D), ((2.0,) * D, (2.0,) * D), ((route,) * D,), 1.0, micro_batches,
+               "deepspeed", sharing, (Collective(step), Collective(step)))
+
+
+def test_hand_derived_two_stage_timeline():
+    """t_f = 1, t_b = 2, a transfer takes 1 and lands 0.5 later. S1's recv of act 0 is posted at 0, S0's
+    send at 1: the transfer runs 1..2, lands 2.5; S1 F0 2.5-3.5, B0 3.5-5.5, sends grad 0 (S0 waits in
+    its recv since 3): 5.5..6.5, lands 7; only then S0 sends act 1 (7..8, lands 8.5), runs B0 8-10;
+    S1 F1 8.5-9.5, B1 9.5-11.5, grad 1 11.5..12.5 lands 13; S0 B1 13-15."""
+    r = simulate(_job(Route(0.5, 1.0)))
+    assert r.iteration == pytest.approx(15.0)
+    got = {(t.fwd, t.m): [t.started, t.done, t.arrives] for t in r.transfers}
+    want = {(True, 0): [1, 2, 2.5], (False, 0): [5.5, 6.5, 7], (True, 1): [7, 8, 8.5],
+            (False, 1): [11.5, 12.5, 13]}
+    assert sorted(got) == sorted(want)
+    for key, times in want.items():
+        assert got[key] == pytest.approx(times)
+    ops = sorted((o.stage, o.kind, o.micro_batch, o.start, o.end) for o in r.ops)
+    assert (0, "backward", 0, 8.0, 10.0) in ops and (1, "forward", 1, 8.5, 9.5) in ops
+
+
+def test_step_and_loss_broadcast_end_the_iteration():
+    # the reduce/optimizer step adds to every row; the loss reaches stage 0 one latency after stage 1
+    assert simulate(_job(Route(0.5, 1.0), step=0.25)).iteration == pytest.approx(15.25)
+    r = simulate(_job(Route(5.0, 1.0), micro_batches=1))
+    # F0 0-1, act 1..2 lands 7, F 7-8, B 8-10, grad 10..11 lands 16, B 16-18; S1's loss lands at 11 + 5
+    assert r.iteration == pytest.approx(18.0)
+
+
+@pytest.mark.parametrize("sharing, expected", [("spatial", 2.0), ("temporal", 1.0)])
+def test_replicas_on_a_filled_link(sharing, expected):
+    """Two replicas' first activations on one WAN link that either transfer fills alone: spatially
+    they share it (both done at 2), temporally the first goes at full rate (done at 1)."""
+    r = simulate(_job(Route(0.5, 1.0, ("a", "b"), 1, 1.0), replicas=2, micro_batches=1, sharing=sharing))
+    first = min(t.done for t in r.transfers if t.fwd and t.m == 0)
+    assert first == pytest.approx(1.0 + expected)     # both sends are posted after F0 at t = 1
+
+
+def test_window_limited_connections_gain_nothing_from_turns():
+    """One connection capped at a quarter of the link: temporal turns only delay the second replica."""
+    spatial, temporal = (simulate(_job(Route(0.5, 1.0, ("a", "b"), 1, 0.25), replicas=2,
+                                       sharing=s)).iteration for s in ("spatial", "temporal"))
+    assert temporal >= spatial
+
+
+def test_a_wan_spanning_dp_group_is_refused():
+    from launch.plan.simulate import WanFlow
+
+    job = Job(((1.0,),), ((2.0,),), (), 1.0, 1, "deepspeed", "spatial",
+              (Collective(0.0, (WanFlow("a", "b", 1.0, 0.1, 1.0),)),))
+    with pytest.raises(ValueError, match="crosses the WAN"):
+        simulate(job)

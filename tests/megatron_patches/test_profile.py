@@ -1,0 +1,88 @@
+"""Cost profiles: the JSON round trip, refusals naming the field, interpolation, and where auto reads one."""
+
+import json
+
+import pytest
+
+from megatron_patches import profile
+from megatron_patches.args import WallFacerConfig
+from megatron_patches.profile import Collective, Curve, from_json, load, profile_path, save
+from megatron_patches.specs import gpu_profile, spec_profile
+
+
+def test_round_trip(tmp_path):
+    prof = gpu_profile("a100", 8, 100, 1, "ethernet")
+    path = str(tmp_path / "p.json")
+    save(prof, path)
+    got = load(path)
+    assert got.inter.alpha_s == pytest.approx(prof.inter.alpha_s, rel=1e-12)
+    assert got == type(prof)(**{**vars(prof), "inter": got.inter, "intra": got.intra})
+    assert got.intra.alpha_s == pytest.approx(prof.intra.alpha_s, rel=1e-12)
+    raw = json.load(open(path))
+    assert raw["format"] == profile.FORMAT and raw["intra"] == {"alpha_us": pytest.approx(3.0), "gbytes": 300.0}
+    # 100 Gb/s Ethernet: the TCP payload share of the line rate (specs.py), one NIC for the node
+    assert raw["node_gbytes"] == pytest.approx(12.5 * 1448 / 1538)
+
+
+def test_curve_interpolates_log_log_and_holds_at_the_ends():
+    c = Curve(((100.0, 1.0), (10000.0, 4.0)))
+    assert c.tflops(10.0) == 1.0 and c.tflops(1e6) == 4.0
+    assert c.tflops(1000.0) == pytest.approx(2.0)   # halfway in log size: the geometric mean
+
+
+def test_unmeasured_group_sizes():
+    prof = spec_profile(8, 10.0, 10.0)
+    assert prof.collective("all_gather", 4) == Collective(3 * 3e-6, 1.0)   # ring steps at the link's rate
+    measured = {**prof.collectives, "all_to_all": {2: Collective(1e-4, 0.5), 8: Collective(7e-4, 0.25)}}
+    from dataclasses import replace
+    prof = replace(prof, collectives=measured)
+    assert prof.collective("all_to_all", 8) == Collective(7e-4, 0.25)
+    near = prof.collective("all_to_all", 4)   # nearest in log size: 2 and 8 tie, the smaller wins
+    assert near.alpha_s == pytest.approx(3e-4) and near.efficiency == 0.5
+
+
+def _raw():
+    return spec_profile(8, 10.0, 10.0).to_json()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r.update(format="v0"), "format='v0' must be"),
+    (lambda r: r.update(source="guessed"), "source='guessed' is not one of"),
+    (lambda r: r.update(overlap=1.5), "overlap=1.5 must be in [0, 1]"),
+    (lambda r: r.update(gemm_tflops=0), "gemm_tflops=0 must be a finite number > 0"),
+    (lambda r: r.update(ranks_per_node=0), "ranks_per_node=0 must be an integer >= 1"),
+    (lambda r: r["intra"].update(gbytes=-1), "gbytes=-1 must be a finite number > 0"),
+    (lambda r: r["intra"].update(alpha_us=float("nan")), "intra.alpha_us=nan must be a finite number"),
+    (lambda r: r["attention"].pop("bwd"), "needs ['fwd', 'fwd_causal', 'bwd', 'bwd_causal']"),
+    (lambda r: r["attention"].update(fwd=[[4.0, 1.0], [2.0, 1.0]]), "sizes [4.0, 2.0] must increase"),
+    (lambda r: r.update(collectives={"all_gather": {"1": {"alpha_us": 1, "efficiency": 1}}}),
+     "group sizes [1] must be integers >= 2"),
+    (lambda r: r.update(collectives={"all_gather": {"2": {"alpha_us": 1, "efficiency": 9}}}),
+     "efficiency=9 must be <= 4"),
+    (lambda r: r.update(inter=None), "inter and node_gbytes go together"),
+    (lambda r: r.update(extra=1), "unknown fields ['extra']"),
+])
+def test_bad_profiles_name_the_field(edit, message):
+    raw = _raw()
+    edit(raw)
+    with pytest.raises(ValueError, match=None) as e:
+        from_json(raw, "p.json")
+    assert str(e.value).startswith("p.json: ") and message in str(e.value), str(e.value)
+
+
+def test_where_auto_reads_a_profile(tmp_path, monkeypatch):
+    path = str(tmp_path / "m.json")
+    save(gpu_profile("h100", 8, 3200, 8, "ib"), path)
+    monkeypatch.delenv(profile.ENV, raising=False)
+    assert profile_path(None) is None
+    cfg = WallFacerConfig(team_size="auto", placement="auto")
+    assert cfg.topology(8).profile.description.startswith("public specs: 8/node, 450 GB/s")
+    monkeypatch.setenv(profile.ENV, path)
+    assert profile_path(None) == path and profile_path("given.json") == "given.json"
+    assert cfg.topology(8).profile == load(path)
+    assert WallFacerConfig(profile=path).topology(8).profile == load(path)
+    with pytest.raises(ValueError, match="wallfacer profile '/nope.json' cannot be read"):
+        WallFacerConfig(profile="/nope.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="is not JSON"):
+        WallFacerConfig(profile=str(tmp_path / "bad.json"))

@@ -153,8 +153,9 @@ class Job:
             if progress is not None:
                 progress.set_postfix(loss=f"{res.losses[-1]:.3f}", held_out=f"{res.evals[-1][1]:.3f}")
                 progress.update(1)
-        res.schedules = [getattr(m, "last_schedule", None) or "deepspeed" for m in engine.module.modules()
-                         if isinstance(m, MoE)]
+        # Parm's layers name the schedule they ran (its "deepspeed" order included); stock MoE says so
+        res.schedules = [f"parm:{m.last_schedule}" if getattr(m, "last_schedule", None) else "deepspeed-moe"
+                         for m in engine.module.modules() if isinstance(m, MoE)]
         res.sample = self.sample(engine, a.sample_bytes)
         self._gather_timing(res, local_ms, book, a.steps - a.warmup_steps, engine.device)
         return res

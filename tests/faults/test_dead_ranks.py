@@ -130,7 +130,9 @@ def _rank(rank: int, port: int, scenario: str, sig: int, out: str) -> None:
         report = {"finished": True}
     except Exception as e:                                       # every error is the result
         report = {"error": f"{type(e).__name__}: {e}", "t": time.time()}
-    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    # written whole, then renamed: the parent polls for the file and kills the world once it exists
+    Path(out, f"rank{rank}.json.tmp").write_text(json.dumps(report))
+    os.replace(Path(out, f"rank{rank}.json.tmp"), Path(out, f"rank{rank}.json"))
 
 
 def _zygote(conn) -> None:

@@ -15,10 +15,14 @@ and read exactly what DeepSpeed writes and reads:
   (one all-gather per layer and dtype), and a load pre-hook keeps this rank's block of an unsharded
   tensor (no communication). ``state_dict(keep_vars=True)`` returns the Parameters themselves (blocks).
 - optimizer, when the engine comes from ``ds_plugins.initialize``: a torch optimizer's per-parameter
-  states (ZeRO off) get the same treatment through its state-dict hooks; ZeRO 1/2's flat partitions are
-  rewritten between the two layouts by ds_plugins.zero_checkpoint. Other optimizer wrappers (fp16/bf16
-  without ZeRO, bf16 ZeRO-1's BF16_Optimizer, ZeRO-3) keep their own sharded layout, with a warning at
-  set-up: their checkpoints load with Parm on and the same ESP size, or with ``load_optimizer_states=False``.
+  states (ZeRO off, fp32) get the same treatment through its state-dict hooks, and so do the fp32 master
+  copies and their states under DeepSpeed's FP16_UnfusedOptimizer (ZeRO off, bf16 or fp16 with a torch
+  optimizer: per-parameter copies, so a block is a slice of its copy; saved in Parm's blocks, they made
+  stock DeepSpeed's load fail with "The size of tensor a (16) must match the size of tensor b (8)");
+  ZeRO 1/2's flat partitions are rewritten between the two layouts by ds_plugins.zero_checkpoint. Other
+  optimizer wrappers (FP16_Optimizer over a fused Adam: one flat fp32 vector per group; bf16 ZeRO-1's
+  BF16_Optimizer; ZeRO-3) keep their own sharded layout, with a warning at set-up: their checkpoints load
+  with Parm on and the same ESP size, or with ``load_optimizer_states=False``.
 
 Saving is collective over each ESP group (an all-gather): every ESP rank calls ``state_dict()`` at the
 same time, as ``engine.save_checkpoint`` (called on every rank) does; calling ``model.state_dict()`` on a

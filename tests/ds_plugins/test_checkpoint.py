@@ -106,7 +106,6 @@ ROUND_TRIPS = [
                  id="parm-to-deepspeed-zero1-elastic"),
     pytest.param(None, ON | {"schedule": "s1"}, 2, {}, id="deepspeed-to-parm-s1-zero2"),
     pytest.param(ON, None, 0, BF16, id="parm-to-deepspeed-zero0-bf16"),
-    pytest.param(None, ON | {"schedule": "s1"}, 0, BF16, id="deepspeed-to-parm-zero0-bf16"),
     pytest.param(ON, ON | {"schedule": "s1"}, 0, BF16, id="parm-to-parm-s1-zero0-bf16"),
 ]
 

@@ -27,6 +27,9 @@ except ImportError:
              "with: pip install --no-build-isolation -e .")
 
 
+BUBBLETEA = ["transformers>=4.56", "safetensors>=0.4", "aiohttp>=3.9"]
+
+
 def _want_cuda() -> bool:
     flag = os.environ.get("COMMWEAVE_CUDA", "auto").lower()
     if flag not in ("auto", "0", "1"):
@@ -68,7 +71,9 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "deepspeed>=0.19.0", "megatron-core>=0.16.1", "numpy", "tqdm",
                       "matplotlib"],
-    extras_require={"test": ["pytest>=8", "pytest-timeout", "ruff", "hypothesis>=6"]},
+    # bubbletea: Hugging Face models (launch.bubbletea.hf) and the HTTP endpoint (launch.bubbletea.endpoint)
+    extras_require={"bubbletea": BUBBLETEA,
+                    "test": ["pytest>=8", "pytest-timeout", "ruff", "hypothesis>=6", *BUBBLETEA]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension},
     entry_points={"console_scripts": ["deepspeed-atlas=launch.run.runner:main"]},

@@ -65,7 +65,7 @@ from megatron_patches.block import select_kernel
 from megatron_patches.groups import WallFacerGroups
 from megatron_patches.hybrid import ulysses_error
 from megatron_patches.layout import Layout, rank_chunks, valid_team_sizes
-from megatron_patches.placement import ORDERS, estimate, nodes_of
+from megatron_patches.placement import ORDERS, estimate
 from megatron_patches.steps import keep_cpu_buffers, kept_buffer_bytes, release_buffers
 from megatron_patches.volume import Shard
 from megatron_patches.wallfacer import wallfacer_attention

@@ -79,7 +79,8 @@ def _measure(s: int, b: int, h: int, d: int, cands: list, rounds: int) -> dict:
         perm = ORDERS[order](p, c)
 
         def step(u=u, c=c, perm=perm):
-            wallfacer_attention(*ins, dist.group.WORLD, c, ulysses_size=u, order=perm, check=False).backward(g)
+            wallfacer_attention(*ins, dist.group.WORLD, c, ulysses_size=u, order=perm,
+                                check=False).backward(g)
         step()  # groups and first-call buffers outside the timing
         out[name(u, c, order)] = {"step": step, "times": [], "cpu": []}
     interleaved(out, rounds)
@@ -130,13 +131,15 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def print_table(world: int, clock: str, t: dict, args, load0: str, load1: str) -> None:
-    print(f"\nP = {world}, {world * args.seq_per_rank} tokens, {args.heads} heads x {args.head_dim}, fp32, causal; "
+    print(f"\nP = {world}, {world * args.seq_per_rank} tokens, "
+          f"{args.heads} heads x {args.head_dim}, fp32, causal; "
           f"{clock} clock, median of {args.reps} interleaved rounds; load {load0} -> {load1}")
     print(f"{'candidate':<22}{'measured ms':>12}{'predicted ms':>13}{'pred/meas':>10}{'rank meas':>10}"
           f"{'rank pred':>10}")
     for r in t["rows"]:
         print(f"{r['name']:<22}{r['measured_ms']:>12.1f}{r['predicted_ms']:>13.1f}"
-              f"{r['predicted_ms'] / r['measured_ms']:>10.2f}{r['measured_rank']:>10}{r['predicted_rank']:>10}")
+              f"{r['predicted_ms'] / r['measured_ms']:>10.2f}"
+              f"{r['measured_rank']:>10}{r['predicted_rank']:>10}")
     print(f"Kendall tau-b {t['kendall_tau']:.2f}; model's pick {t['pick']}, measured best {t['best']}; "
           f"the pick's measured time / the best's: {t['pick_over_best']:.3f}")
 

@@ -131,7 +131,8 @@ def summarize(cfg: Config, res: dict) -> dict:
             "ms": {s: statistics.median(t) for s, t in ms.items()},
             "vs_ds": {s: _paired(ds, t) for s, t in ms.items()},
             "best": best, "best_vs_ds": _paired(ds, ms[best]),
-            "auto": pick, "auto_ms": statistics.median(auto_row["ms"]), "auto_vs_ds": _paired(ds, auto_row["ms"]),
+            "auto": pick, "auto_ms": statistics.median(auto_row["ms"]),
+            "auto_vs_ds": _paired(ds, auto_row["ms"]),
             "auto_regret": regret, "auto_hit": regret <= TIE,
             "predicted_ms": auto_row["predicted_ms"], "fitted": auto_row["fitted"],
             "calls": {"ds": res["DeepSpeed MoE"]["calls"], "parm": best_row["calls"]},
@@ -202,7 +203,8 @@ def _line(c: dict) -> str:
     m = c["ms"]
     return (f"{_label(c):<46}{c['ds_ms']:>8.1f}{v['deepspeed']:>7.2f}{v['s1']:>6.2f}{v['s2']:>6.2f}"
             f"{c['best_vs_ds']:>6.2f}{c['auto']:>10}{c['auto_vs_ds']:>6.2f}{p.get('deepspeed', 0):>8.1f}"
-            f"{p.get('s1', 0):>8.1f}{p.get('s2', 0):>8.1f}{m['deepspeed']:>8.1f}{m['s1']:>8.1f}{m['s2']:>8.1f}"
+            f"{p.get('s1', 0):>8.1f}{p.get('s2', 0):>8.1f}"
+            f"{m['deepspeed']:>8.1f}{m['s1']:>8.1f}{m['s2']:>8.1f}"
             f"  {'yes' if c['auto_hit'] else 'NO'}")
 
 

@@ -90,7 +90,8 @@ def table() -> list[dict]:
                      "in_band": 1.0 <= g["gain"] <= BAND_HIGH * paper})
     for model, paper in (("GPT", GPT_MAX), ("DiT", DIT_MAX)):
         best = max((r for r in rows if model in r["point"]), key=lambda r: r["predicted"])
-        rows.append({"point": f"headline {model} (+{100 * (paper - 1):.2f}%): the model's largest {model} gain",
+        rows.append({"point": f"headline {model} (+{100 * (paper - 1):.2f}%): "
+                              f"the model's largest {model} gain",
                      "paper_max": paper, "predicted": best["predicted"], "ratio": best["predicted"] / paper,
                      "C": best["C"], "in_band": 1.0 <= best["predicted"] <= BAND_HIGH * paper})
     return rows

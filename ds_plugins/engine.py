@@ -107,9 +107,11 @@ def warn_if_parm_ignored(initialize):
     def plain(*args, **kwargs):
         if not getattr(_inside, "active", False):
             bound = inspect.signature(initialize).bind_partial(*args, **kwargs).arguments
-            if _parm_enabled(_config_source(bound.get("args"), bound.get("config"), bound.get("config_params"))):
-                warnings.warn('the DeepSpeed config has "parm": {"enabled": true}, but deepspeed.initialize '
-                              "does not read it: Parm is OFF and the MoE layers stay deepspeed.moe.layer.MoE. "
+            source = _config_source(bound.get("args"), bound.get("config"), bound.get("config_params"))
+            if _parm_enabled(source):
+                warnings.warn('the DeepSpeed config has "parm": {"enabled": true}, but '
+                              "deepspeed.initialize does not read it: Parm is OFF and the MoE layers stay "
+                              "deepspeed.moe.layer.MoE. "
                               "Call ds_plugins.initialize (the same arguments) to switch Parm on",
                               UserWarning, stacklevel=2)
         return initialize(*args, **kwargs)
@@ -153,7 +155,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         out = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
                                    model_parameters=model_parameters, training_data=training_data,
                                    lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
-                                   dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                                   dist_init_required=dist_init_required, collate_fn=collate_fn,
+                                   config=config,
                                    mesh_param=mesh_param, config_params=config_params)
     finally:
         _inside.active = False

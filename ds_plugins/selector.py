@@ -27,8 +27,8 @@ layer's first rank.
 from __future__ import annotations
 
 import os
-import warnings
 import time
+import warnings
 
 import torch
 import torch.distributed as dist

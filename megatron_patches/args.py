@@ -126,8 +126,9 @@ class WallFacerConfig:
         if path:
             return Topology.from_profile(_load(path), self.node_size(world_size))
         intra, node, rank = self.bandwidth_gbytes
-        return Topology.from_profile(spec_profile(self.node_size(world_size), intra, node, rank, *self.latency_us,
-                                                  self.tflops, self.network, self.kernel_efficiency))
+        prof = spec_profile(self.node_size(world_size), intra, node, rank, *self.latency_us,
+                            self.tflops, self.network, self.kernel_efficiency)
+        return Topology.from_profile(prof)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WallFacerConfig:

@@ -118,9 +118,9 @@ class WallFacerAttention(MegatronModule):
             f"softmax_type={config.softmax_type!r}: only vanilla": config.softmax_type != "vanilla",
             f"window_size={config.window_size}: no sliding windows": config.window_size is not None,
         }
-        for reason, refused in refusals.items():
+        for refusal, refused in refusals.items():
             if refused:
-                raise ValueError(f"WallFacerAttention: {reason}")
+                raise ValueError(f"WallFacerAttention: {refusal}")
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         if pg_collection is None:

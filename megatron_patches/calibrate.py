@@ -38,7 +38,17 @@ import time
 import torch
 
 from commweave import cost
-from megatron_patches.profile import BWD_FLOPS, CURVES, FWD_FLOPS, KINDS, Collective, Curve, Link, Profile, save
+from megatron_patches.profile import (
+    BWD_FLOPS,
+    CURVES,
+    FWD_FLOPS,
+    KINDS,
+    Collective,
+    Curve,
+    Link,
+    Profile,
+    save,
+)
 
 
 def _sync(device) -> None:
@@ -66,8 +76,9 @@ def _timed(fn, reps: int, device, inner: int = 1) -> list[tuple[float, float]]:
 
 
 def _ring(n: int, device):
-    from commweave import comm
     import torch.distributed as dist
+
+    from commweave import comm
 
     world, me = dist.get_world_size(), dist.get_rank()
     send, recv = torch.empty(n // 4, device=device), torch.empty(n // 4, device=device)
@@ -221,7 +232,8 @@ def calibrate(cfg: dict, description: str = "", world=None) -> dict[str, Profile
     cfg = {**cfg, "load_before": os.getloadavg()[0]}
     description = description or f"{cfg['ranks']} {cfg['device']} rank(s) of this machine, {cfg['dtype']}"
     per_rank = measurements(cfg, world)
-    return {clock: profile_from(per_rank, cfg, f"{description}, {clock} clock", clock) for clock in ("wall", "cpu")}
+    return {clock: profile_from(per_rank, cfg, f"{description}, {clock} clock", clock)
+            for clock in ("wall", "cpu")}
 
 
 def config(argv=None) -> dict:
@@ -247,8 +259,9 @@ def config(argv=None) -> dict:
     p.add_argument("--intra-latency-us", type=float, default=3.0, help="--ranks 1 only")
     a = p.parse_args(argv)
     for flag, value, low in (("--ranks", a.ranks, 1), ("--reps", a.reps, 1), ("--inner", a.inner, 1),
-                             ("--heads", a.heads, 1), ("--head-dim", a.head_dim, 1), ("--hidden", a.hidden, 1),
-                             ("--overlap-rows", a.overlap_rows, 1), ("--overlap-bytes", a.overlap_bytes, 4096)):
+                             ("--heads", a.heads, 1), ("--head-dim", a.head_dim, 1),
+                             ("--hidden", a.hidden, 1), ("--overlap-rows", a.overlap_rows, 1),
+                             ("--overlap-bytes", a.overlap_bytes, 4096)):
         if value < low:
             p.error(f"{flag} {value} must be >= {low}")
     lo, hi = a.sizes_log2
@@ -258,15 +271,17 @@ def config(argv=None) -> dict:
         p.error(f"--rows {a.rows} must be distinct sizes >= 16")
     if not (a.intra_GBps > 0 and a.intra_latency_us >= 0):
         p.error(f"--intra-GBps {a.intra_GBps} must be > 0 and --intra-latency-us {a.intra_latency_us} >= 0")
-    return {"out": a.out, "clock": a.clock, "ranks": a.ranks, "device": a.device, "dtype": a.dtype, "reps": a.reps,
-            "inner": a.inner, "rows": sorted(a.rows), "sizes": [1 << i for i in range(lo, hi + 1)],
+    return {"out": a.out, "clock": a.clock, "ranks": a.ranks, "device": a.device, "dtype": a.dtype,
+            "reps": a.reps, "inner": a.inner, "rows": sorted(a.rows),
+            "sizes": [1 << i for i in range(lo, hi + 1)],
             "heads": a.heads, "head_dim": a.head_dim, "hidden": a.hidden, "overlap_rows": a.overlap_rows,
             "overlap_bytes": a.overlap_bytes, "intra_gbytes": a.intra_GBps, "intra_us": a.intra_latency_us}
 
 
 def main(argv=None) -> Profile:
     cfg = config(argv)
-    cfg["command"] = "python -m megatron_patches.calibrate " + " ".join(sys.argv[1:] if argv is None else argv)
+    given = sys.argv[1:] if argv is None else argv
+    cfg["command"] = "python -m megatron_patches.calibrate " + " ".join(given)
     prof = calibrate(cfg)[cfg["clock"]]
     save(prof, cfg["out"])
     print(json.dumps(prof.to_json()))

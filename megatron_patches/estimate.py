@@ -55,14 +55,16 @@ class Cluster:
     profile_path: str | None = None  # where it was read (for the flags auto is told)
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "gpus_per_node") + (("nics_per_node",) if self.nics_per_node is not None else ()):
+        nics = ("nics_per_node",) if self.nics_per_node is not None else ()
+        for name in ("gpus", "gpus_per_node", *nics):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {value} must be an integer >= 1")
         if self.gpus % min(self.gpus, self.gpus_per_node):
             raise ValueError(f"--gpus {self.gpus} must be a positive multiple of --gpus-per-node "
                              f"{self.gpus_per_node} (or fewer than one node)")
-        for flag, value, low in (("--intra-GBps", self.intra_gbytes, 0), ("--inter-Gbps", self.inter_gbits, 0),
+        for flag, value, low in (("--intra-GBps", self.intra_gbytes, 0),
+                                 ("--inter-Gbps", self.inter_gbits, 0),
                                  ("--tflops", self.tflops, 0), ("--latency-us", self.latency_us, None),
                                  ("--intra-latency-us", self.intra_latency_us, None)):
             if not math.isfinite(value) or (value <= 0 if low == 0 else value < 0):
@@ -80,8 +82,8 @@ class Cluster:
 
     def spec(self) -> Profile:
         node = self.inter_gbits / 8
-        return spec_profile(self.gpus_per_node, self.intra_gbytes, node, node / self.nics, self.intra_latency_us,
-                            self.latency_us, self.tflops, self.network, self.kernel)
+        return spec_profile(self.gpus_per_node, self.intra_gbytes, node, node / self.nics,
+                            self.intra_latency_us, self.latency_us, self.tflops, self.network, self.kernel)
 
     def topology(self) -> Topology:
         return Topology.from_profile(self.profile or self.spec(), self.gpus_per_node)
@@ -93,7 +95,8 @@ class Cluster:
         """The ``--wallfacer-*`` cluster arguments under which WallFacerAttention's "auto" uses this
         topology (args.WallFacerConfig.topology equals :meth:`topology`)."""
         if self.profile_path:
-            return ["--wallfacer-ranks-per-node", f"{self.gpus_per_node}", "--wallfacer-profile", self.profile_path]
+            return ["--wallfacer-ranks-per-node", f"{self.gpus_per_node}",
+                    "--wallfacer-profile", self.profile_path]
         node = self.inter_gbits / 8
         return ["--wallfacer-ranks-per-node", f"{self.gpus_per_node}",
                 "--wallfacer-bandwidth", *(f"{x:.12g}" for x in (self.intra_gbytes, node, node / self.nics)),
@@ -115,7 +118,8 @@ class Model:
     elt: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "heads", "seq", "batch") + (("kv_heads",) if self.kv_heads is not None else ()):
+        kv = ("kv_heads",) if self.kv_heads is not None else ()
+        for name in ("hidden", "heads", "seq", "batch", *kv):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {value} must be an integer >= 1")
@@ -293,10 +297,12 @@ def reason(plans: list[Plan], topo: Topology, top: int = 3) -> str:
     """Why auto chose its plan: the profile it priced with and the ``top`` fastest candidates."""
     prof = topo.profile
     src = (f"measured profile: {prof.description}" if prof.source == "measured" else
-           f"no measured profile, so the stated default, the spec model of the cluster flags: {prof.description}; "
+           f"no measured profile, so the stated default, the spec model of the cluster flags: "
+           f"{prof.description}; "
            f"--wallfacer-profile or $COMMWEAVE_WALLFACER_PROFILE names one that "
            f"python -m megatron_patches.estimate --calibrate writes")
-    rows = "; ".join(f"U={p.ulysses_size} C={p.team_size} {p.order} {1e3 * p.seconds:.3g} ms" for p in plans[:top])
+    rows = "; ".join(f"U={p.ulysses_size} C={p.team_size} {p.order} {1e3 * p.seconds:.3g} ms"
+                     for p in plans[:top])
     return (f"WallFacer auto picks U={plans[0].ulysses_size}, C={plans[0].team_size}, {plans[0].order} "
             f"({src}); fastest predicted: {rows}")
 

@@ -51,8 +51,8 @@ class Topology:
         inter = profile.inter
         nic = None if inter is None else AlphaBeta(inter.alpha_s, 1 / (profile.node_gbytes * 1e9))
         flow = None if inter is None else AlphaBeta(inter.alpha_s, inter.beta)
-        return cls(ranks_per_node or profile.ranks_per_node, AlphaBeta(profile.intra.alpha_s, profile.intra.beta),
-                   nic, flow, profile)
+        intra = AlphaBeta(profile.intra.alpha_s, profile.intra.beta)
+        return cls(ranks_per_node or profile.ranks_per_node, intra, nic, flow, profile)
 
     @classmethod
     def from_specs(cls, ranks_per_node: int, intra_gbytes: float, nic_gbytes: float,
@@ -98,7 +98,8 @@ class Topology:
 
 
 @lru_cache(maxsize=256)
-def step_shapes(lay: Layout, s: int, causal: bool) -> tuple[tuple[tuple[tuple[int, int, bool], ...], ...], ...]:
+def step_shapes(lay: Layout, s: int,
+                causal: bool) -> tuple[tuple[tuple[tuple[int, int, bool], ...], ...], ...]:
     """Per ring step, the distinct per-rank lists of kernel calls (rows, keys, diagonal) that the step's
     ranks make (rowmap.block_calls on the dense layout: what wallfacer.py runs)."""
     shards = packing.shards(packing.dense(lay.world * s), lay.layout, lay.world)

@@ -32,6 +32,7 @@ FLOPs / throughput(scores), the throughput interpolated log-log between measured
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -100,7 +101,7 @@ class Curve:
         pts = self.points
         if scores <= pts[0][0]:
             return pts[0][1]
-        for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
+        for (n0, t0), (n1, t1) in itertools.pairwise(pts):
             if scores <= n1:
                 w = math.log(scores / n0) / math.log(n1 / n0)
                 return math.exp((1 - w) * math.log(t0) + w * math.log(t1))
@@ -133,7 +134,8 @@ class Profile:
             raise ValueError(f"profile collectives {sorted(self.collectives)} must be among {KINDS}")
         for kind, table in self.collectives.items():
             if not table or any(not isinstance(g, int) or g < 2 for g in table):
-                raise ValueError(f"profile collectives.{kind} group sizes {list(table)} must be integers >= 2")
+                raise ValueError(f"profile collectives.{kind} group sizes {list(table)} "
+                                 f"must be integers >= 2")
         if _number(self.overlap, "overlap", 0.0) > 1:
             raise ValueError(f"profile overlap={self.overlap} must be in [0, 1]")
         _number(self.gemm_tflops, "gemm_tflops", 0.0, strict=True)
@@ -231,6 +233,7 @@ def save(profile: Profile, path: str) -> None:
 
 
 def profile_path(given: str | None = None) -> str | None:
-    """The profile ``auto`` reads: the given path (``--wallfacer-profile``), else $COMMWEAVE_WALLFACER_PROFILE,
-    else None (no profile: the spec model from the cluster arguments, which auto says it uses)."""
+    """The profile ``auto`` reads: the given path (``--wallfacer-profile``), else
+    $COMMWEAVE_WALLFACER_PROFILE, else None (no profile: the spec model from the cluster arguments, which
+    auto says it uses)."""
     return given or os.environ.get(ENV) or None

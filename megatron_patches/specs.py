@@ -71,7 +71,8 @@ def spec_profile(ranks_per_node: int, intra_gbytes: float, node_gbytes: float,
         node_gbytes=node_gbytes * pay, provenance={"specs": __name__})
 
 
-def gpu_profile(gpu: str, ranks_per_node: int, node_gbits: float, nics_per_node: int, network: str) -> Profile:
+def gpu_profile(gpu: str, ranks_per_node: int, node_gbits: float, nics_per_node: int,
+                network: str) -> Profile:
     """The spec profile of one of GPUS with a node network of ``node_gbits`` Gb/s over ``nics_per_node``."""
     tflops, nvlink, kernel = GPUS[gpu]
     node = node_gbits / 8

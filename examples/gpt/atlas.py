@@ -1,7 +1,7 @@
 """The main job's ``--atlas`` rows: the MoE model as a 2-stage pipeline across two emulated data centers,
 started by ``deepspeed-atlas`` (``python -m launch``) once with DeepSpeed's own pipeline sends and once
-with ATLAS's multi-TCP striping (spatial sharing: temporal sharing never paid in the calibration matrix,
-benchmarks/atlas_calibration.py).
+with ATLAS's multi-TCP striping (spatial sharing: temporal sharing did not pay reliably in the
+calibration matrix, benchmarks/atlas_calibration.py).
 
 Two network namespaces are the two data centers' hosts (2 ranks each), joined by launch.net.wanemu's WAN:
 a user-space delay line for the round trip and a ``tbf`` rate limit; TCP buffers inside the namespaces
@@ -34,6 +34,7 @@ from examples.gpt.train import Result
 @dataclass
 class PipelineResult(Result):
     predicted_ms: float = 0.0     # the calibrated simulator's ms per step for this run
+    free_wan_ms: float = 0.0      # the same with a free WAN: what the step computes and synchronises
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_TIMEOUT = 900
@@ -94,11 +95,11 @@ def _run(link, topo_path: Path, out: Path, connections: int, sharing: str, stock
     return [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
 
 
-def _result(name: str, ranks: list[dict], predicted_s: float) -> PipelineResult:
+def _result(name: str, ranks: list[dict], predicted_s: float, free_s: float) -> PipelineResult:
     """One table row: losses of the last stage (every rank reports them), the slowest rank's step time,
     the mean over ranks of the bytes each sent per step, the prediction."""
     res = PipelineResult(name, losses=ranks[0]["losses"], tokens_per_step=ranks[0]["tokens_per_step"],
-                         predicted_ms=predicted_s * 1e3)
+                         predicted_ms=predicted_s * 1e3, free_wan_ms=free_s * 1e3)
     res.evals = [(len(res.losses), ranks[0]["held_out"])]
     res.step_ms = [max(ms) for ms in zip(*(r["step_ms"] for r in ranks), strict=True)]
     for r in ranks:
@@ -148,7 +149,10 @@ def pipeline_rows(deepspeed_config: str, connections: int = 8, wan: Wan = Wan(),
                                      LinkMode.from_measured(constants["modes"], setting,
                                                             ranks[0]["act_bytes"]),
                                      WanSetting.parse(setting))
-            rows.append((_result(name, ranks, predicted), f"{what}; predicted {predicted * 1e3:.0f} ms/step"))
+            free = step_seconds(compute, 2, MICRO_BATCHES, ranks[0]["act_bytes"], 1e18, LinkMode(0.0, 1e18),
+                                WanSetting.parse(setting))
+            rows.append((_result(name, ranks, predicted, free),
+                         f"{what}; predicted {predicted * 1e3:.0f} ms/step"))
         lost = {k: v for k, v in link.drops().items() if v and not k.startswith("tcp_retrans")}
     if lost:     # the emulator itself lost packets: the WAN was not what it claims to be
         rows = [(res, f"{what}; WAN emulator drops {lost}") for res, what in rows]

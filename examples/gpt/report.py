@@ -58,7 +58,9 @@ def table(results: list[tuple[Result, str]], tolerance, pipeline=None) -> str:
         predicted = ""
         if getattr(p, "predicted_ms", 0) and getattr(q, "predicted_ms", 0):
             predicted = (f" (calibrated simulator: {p.predicted_ms:.0f} and {q.predicted_ms:.0f} ms/step, "
-                         f"{p.predicted_ms / q.predicted_ms:.2f}x)")
+                         f"{p.predicted_ms / q.predicted_ms:.2f}x; with a free WAN {p.free_wan_ms:.0f} "
+                         f"ms/step: stock waits {1 - p.free_wan_ms / p.predicted_ms:.0%} of its step on the "
+                         "WAN)")
         rows.append(f"pipeline across 2 data centers (PP 2 x DP 2, {len(p.losses)} steps; not the model "
                     f"above: no context parallelism, other batches): ATLAS "
                     f"{q.tokens_per_s / p.tokens_per_s:.2f}x tokens/s of DeepSpeed's sends{predicted}; "

@@ -10,8 +10,12 @@
 - :mod:`.device`    devices, the low-priority stream, the memory cap, the in-process stream runner
 - :mod:`.engine`    the DeepSpeed PipelineEngine extension (``enable(engine, server)``)
 - :mod:`.simulate`  BubbleTea in the what-if simulator (``python -m launch.plan TOPOLOGY --bubbletea``)
+- :mod:`.hf`        Hugging Face causal LMs from a local directory; results carry a ``DynamicCache``
+- :mod:`.endpoint`  requests from outside: an HTTP endpoint (aiohttp) on a data center's first rank
+- :mod:`.remote`    another rank of the data center behind the first rank's endpoint
 
-The engine extension imports DeepSpeed; import it as ``launch.bubbletea.engine`` where DeepSpeed exists.
+The engine extension imports DeepSpeed; import it as ``launch.bubbletea.engine`` where DeepSpeed exists,
+and ``launch.bubbletea.hf`` where ``transformers`` is (``pip install commweave[bubbletea]``).
 """
 
 from launch.bubbletea.model import CausalLM, KVCache, LMConfig, ModelSpec, PrefillModel, Weights

@@ -228,6 +228,11 @@ class PrefillServer:
     def __len__(self) -> int:
         return len(self._pending)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the service still runs (:mod:`.endpoint` re-queues a dead one's requests)."""
+        return self._runner.alive() if self._runner is not None else self._proc.poll() is None
+
     def take_spans(self, until: float) -> list[tuple[float, float]]:
         """The (start, end) of the chunks that ended by ``until`` and were not taken before; the service
         runs one chunk at a time, so they arrive in order."""

@@ -80,6 +80,9 @@ def fit_cost(model: PrefillModel, max_seq: int, vocab: int, chunk_tokens: int, s
             samples = []
             for _ in range(repeats + 1):                      # the first run warms the kernels
                 cache = model.new_cache(cap)
+                # at the cache's end: CausalLM attends to the whole capacity wherever a chunk is, a model
+                # that attends to the filled prefix only (hf.HFModel) shows its c·T term only there
+                cache.length = cap - size
                 t0 = time.perf_counter()
                 model.prefill_chunk(tokens, cache)
                 synchronize(stream)

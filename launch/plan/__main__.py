@@ -12,7 +12,9 @@ ends with one JSON line::
      "best_baseline": ..., "speedup_vs_best_baseline": ..., "speedup_vs_best_baseline_same_gpus": ...,
      "gain_steps": [...], "gain_steps_same_gpus": [...], "layout": {...}, ...}
 
-``--no-baselines`` skips the baselines and the decomposition (most of the run time).
+``--sharing`` is spatial unless asked (launch.plan.placement.SHARINGS: temporal sharing never paid in the
+calibration matrix, so ``temporal``/``auto`` are opt-ins and the decomposition's sharing step is 1.00x
+by default). ``--no-baselines`` skips the baselines and the decomposition (most of the run time).
 A baseline with no layout that fits (or that cannot span the DCs it must span) shows as null.
 ``--timeline FILE.png`` draws ATLAS's iteration, one row per pipeline-stage replica
 (launch.plan.timeline); ``--trace FILE.json`` writes the same ops as a Chrome trace. ``--bubbletea`` adds
@@ -30,7 +32,17 @@ from commweave import values
 from launch.plan import baselines, gain
 from launch.plan import topology as topology_mod
 from launch.plan.estimate import ModelSpec, stage_layers
-from launch.plan.placement import atlas_layouts, choose, load_model, plan_of, render
+from launch.plan.placement import (
+    DEFAULT_SHARING,
+    SHARINGS,
+    UNVALIDATED,
+    atlas_layouts,
+    choose,
+    load_model,
+    plan_of,
+    render,
+    sharing_modes,
+)
 from launch.plan.search import Choice, best
 from launch.plan.socket_limits import DEFAULT_WINDOW, tcp_advice
 from launch.plan.timeline import Op, draw, write_trace
@@ -133,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--atlas-model", default=None, help="JSON with the model section (else the topology's)")
     ap.add_argument("--wan-connections", type=int, default=None,
                     help="fix the TCP connections per WAN pair (1..64; default: the planner chooses)")
-    ap.add_argument("--sharing", choices=("temporal", "spatial"), default=None,
-                    help="fix the WAN sharing mode (default: the planner chooses)")
+    ap.add_argument("--sharing", default=DEFAULT_SHARING, metavar="|".join(SHARINGS),
+                    help="how DP replicas share a WAN link: at once (spatial, the default), taking turns "
+                         "(temporal), or the faster by the simulator (auto); temporal and auto are "
+                         f"{UNVALIDATED}")
     ap.add_argument("--timeline", metavar="FILE.png", help="draw ATLAS's iteration, one row per GPU")
     ap.add_argument("--timeline-span", metavar="START:END", type=_span, default=None,
                     help="draw only this part of the iteration, in seconds (default: all of it)")
@@ -155,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             _need_matplotlib()
         topo = topology_mod.load(args.topology)
         model = load_model(topo, args.atlas_model)
+        sharings = sharing_modes(args.sharing, "--sharing")
         atlas = choose(topo, model, args.wan_connections, args.sharing, DEFAULT_WINDOW)
         plan = plan_of(topo, model, atlas, DEFAULT_WINDOW)
     except ValueError as e:
@@ -172,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_baselines and not atlas.layout.crosses_wan and len(topo.datacenters) > 1:
         spanning = (lay for lay in atlas_layouts(topo, model, DEFAULT_WINDOW, args.wan_connections)
                     if lay.crosses_wan)
-        across = best(topo, model, spanning, DEFAULT_WINDOW,
-                      (args.sharing,) if args.sharing else ("spatial", "temporal"))
+        across = best(topo, model, spanning, DEFAULT_WINDOW, sharings)
     print(render(plan, topo, model))
     if not args.no_baselines:
         print(table(model, atlas, others, across))

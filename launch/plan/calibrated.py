@@ -112,12 +112,12 @@ def choose(compute: Sequence[StageCompute], replicas: int, micro_batches: int, a
     """The WAN setting (of ``settings``, each measured in ``modes``) the calibrated simulator predicts
     fastest, and every prediction.
 
-    Temporal sharing is not chosen unless ``allow_temporal``: in the calibration matrix
-    (benchmarks/atlas_calibration.py, README) it never beat spatial sharing in a DeepSpeed pipeline,
-    measured 0.75-1.00x, while the simulator, whose replicas run in lockstep, predicted up to 1.12x
-    where one striped transfer fills the link: turns taken in a fixed order wait for a replica that
-    jitter made late. With ``allow_temporal`` it is chosen only where it beats spatial sharing at the
-    same connection count by more than ``margin``."""
+    Temporal sharing is not chosen unless ``allow_temporal``: in two runs of the calibration matrix
+    (benchmarks/atlas_calibration.py, README) it beat spatial sharing in a DeepSpeed pipeline once in
+    16 (RTT, size, connections) groups (1.13x; the same group measured 0.75x in the other run), while
+    the simulator, whose replicas run in lockstep, predicted 1.12x and 1.42x there: turns taken in a
+    fixed order wait for a replica that jitter made late. With ``allow_temporal`` it is chosen only
+    where it beats spatial sharing at the same connection count by more than ``margin``."""
     candidates = [s for s in settings if allow_temporal or not s.endswith(":temporal")]
     predicted = {s: step_seconds(compute, replicas, micro_batches, act_bytes, bandwidth,
                                  LinkMode.from_measured(modes, s, act_bytes), WanSetting.parse(s))

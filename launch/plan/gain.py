@@ -9,7 +9,9 @@ mechanisms so far (the same branch-and-bound search, launch.plan.search):
           order of the used DCs) with any pp/tp/dp, the best baseline's layer split, 1 connection, spatial
     T2  + layer split: layers in proportion to the stages' GPU speed within their memory
     T3  + connections: the TCP connections per WAN pair that fill the links (ATLAS's choice per layout)
-    T4  + sharing: spatial or temporal, as the simulator prefers = ATLAS's plan
+    T4  + sharing: ATLAS's plan, with the sharing mode the planner was given: spatial by default, so
+          this step is 1.00x (temporal sharing never paid in the calibration matrix and is chosen only
+          on request, ``--sharing temporal|auto``: then this step is the idealised model's, unvalidated)
 
 Each step's ratio is T(k−1)/T(k), so the product is T0/T4, ATLAS's gain over the best baseline. A step
 below 1.00x says the mechanism costs time there (a search that is not nested: a baseline placement that
@@ -76,7 +78,7 @@ def decompose(topo: Topology, model: ModelSpec, atlas: Choice, others: dict[str,
     times = [(f"best baseline: {baselines.NAMES[name]}", base),
              ("+ placement (ATLAS's stages per DC)", placed),
              ("+ layer split (by GPU speed)", one_conn), ("+ TCP connections", conns),
-             ("+ sharing (spatial/temporal) = ATLAS", atlas)]
+             (f"+ sharing ({atlas.layout.sharing}) = ATLAS", atlas)]
     steps, prev = [], None
     for label, c in times:
         t = c.result.iteration if c is not None else None

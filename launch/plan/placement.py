@@ -7,10 +7,11 @@ it holds, consecutive stages to the same DC, until pp stages are placed. Pipelin
 cross the WAN and every stage's DP and TP ranks stay inside one DC. Around it, SAILOR's search over
 every (pp, tp, dp), widened here (:func:`placements`): the fill in every order of the DCs and every
 order of the used DCs along the pipeline (link bandwidth and latency decide it with 3+ DCs); layers
-in proportion to each stage's GPU speed (``gpu_tflops``) within its memory; the sharing mode
-(temporal or spatial) and the number of TCP connections (:func:`fill_connections`) chosen with the
-layout. Every candidate is ranked by the discrete-event simulator (:mod:`launch.plan.search`: branch and
-bound on a proven lower bound, so none that could win is skipped); the fastest iteration wins, fewer
+in proportion to each stage's GPU speed (``gpu_tflops``) within its memory; the number of TCP
+connections (:func:`fill_connections`) chosen with the layout, the sharing mode as :data:`SHARINGS` says
+(spatial unless asked: temporal sharing is unvalidated). Every candidate is ranked by the discrete-event
+simulator (:mod:`launch.plan.search`: branch and bound on a proven lower bound, so none that could win is
+skipped); the fastest iteration wins, fewer
 GPUs on a tie. That choice is also how ATLAS "picks how many GPUs to use in each DC". Nothing here
 reads this machine's sysctls: a WAN connection's window is the topology's ``window_mb`` or Linux's
 default (launch.plan.socket_limits.DEFAULT_WINDOW); the launcher reports local TCP settings as warnings only.
@@ -107,6 +108,24 @@ def fill_connections(topo: Topology, stage_dc: tuple[str, ...], tp: int, window:
     return min(need, NCCL_MAX_SOCKETS)
 
 
+# How DP replicas share a WAN direction. The default is spatial (stock TCP: all at once): the calibration
+# matrix on the emulated WAN (benchmarks.atlas_calibration; README "The simulator against real runs")
+# never measured temporal sharing paying (spatial/temporal 0.75-1.00x over its eight groups), while this
+# search's idealised 1F1B model predicts temporal gains (up to 1.19x on the shipped topologies) that no
+# run backs. "temporal" forces it and "auto" lets the simulator pick the faster of the two: both are
+# opt-ins whose gain is a model's, unvalidated. The connection count needs no opt-in: the matrix measured
+# 8 connections 1.9-2.9x faster than one with 1 MiB transfers on a window-limited link.
+SHARINGS = ("spatial", "temporal", "auto")
+DEFAULT_SHARING = "spatial"
+UNVALIDATED = "unvalidated: the calibration matrix never measured temporal sharing paying"
+
+
+def sharing_modes(sharing: str, name: str = "sharing") -> tuple[str, ...]:
+    """The sharing modes the search simulates for ``sharing`` (one of :data:`SHARINGS`)."""
+    values.choice(sharing, name, SHARINGS)
+    return ("spatial", "temporal") if sharing == "auto" else (sharing,)
+
+
 # The search simulates candidates of every (pp, tp, dp) with pp·tp·dp <= the GPUs offered, each under
 # several placements: about 5 ms per combination on the shipped topologies (three_dc: 190 in ~1 s).
 # Beyond this many combinations (10**9 slots, 10**7 layers) the model section must fix pp, tp or dp.
@@ -154,29 +173,28 @@ def atlas_layouts(topo: Topology, model: ModelSpec, window: float, connections: 
                          atlas_runtime=True)
 
 
-def choose(topo: Topology, model: ModelSpec, connections: int | None = None, sharing: str | None = None,
-           window: float = DEFAULT_WINDOW) -> Choice:
-    """ATLAS's layout: the simulator's fastest candidate (launch.plan.search), the sharing mode and the
-    number of connections chosen with it unless fixed here."""
-    if sharing not in (None, "temporal", "spatial"):
-        raise ValueError(f"sharing={sharing!r}: use 'temporal' or 'spatial' (or None: the planner chooses)")
+def choose(topo: Topology, model: ModelSpec, connections: int | None = None,
+           sharing: str = DEFAULT_SHARING, window: float = DEFAULT_WINDOW) -> Choice:
+    """ATLAS's layout: the simulator's fastest candidate (launch.plan.search), the number of connections
+    chosen with it unless fixed here, the sharing mode as ``sharing`` says (:data:`SHARINGS`)."""
+    sharings = sharing_modes(sharing)
     if connections is not None:
         nccl_split(connections)  # the same limits as the launcher: 1..64 connections
     if model.dp and model.sequences % model.dp:
         raise ValueError(f"model.dp={model.dp}: global_batch/micro_batch = {model.sequences} sequences per "
                          "iteration must divide by dp")
-    sharings = (sharing,) if sharing else ("spatial", "temporal")
     found = best(topo, model, atlas_layouts(topo, model, window, connections), window, sharings)
     if found is None:
         raise ValueError(_infeasible(topo, model))
     return found
 
 
-def make_plan(topo: Topology, model: ModelSpec, connections: int | None = None, sharing: str | None = None,
-              window: float | None = None) -> Plan:
-    """Search (pp, tp, dp), placement, sharing and connections; keep the simulator's fastest layout.
+def make_plan(topo: Topology, model: ModelSpec, connections: int | None = None,
+              sharing: str = DEFAULT_SHARING, window: float | None = None) -> Plan:
+    """Search (pp, tp, dp), placement and connections; keep the simulator's fastest layout.
 
-    ``connections``/``sharing`` fix those choices (None: the planner picks them); ``window`` is one
+    ``connections`` fixes that choice (None: the planner picks it); ``sharing`` is one of :data:`SHARINGS`
+    (spatial by default; "auto": the simulator picks, unvalidated); ``window`` is one
     TCP connection's window on WAN links without ``window_mb`` (default: Linux's default buffers,
     launch.plan.socket_limits.DEFAULT_WINDOW) — never this machine's sysctls, which only produce warnings."""
     window = DEFAULT_WINDOW if window is None else window
@@ -201,12 +219,15 @@ def plan_of(topo: Topology, model: ModelSpec, found: Choice, window: float) -> P
 
 
 def _what_if(topo: Topology, model: ModelSpec, lay: Layout, window: float) -> tuple[tuple[str, float], ...]:
-    """The same layout under the other sharing mode and with a single TCP connection."""
+    """The same layout under the other sharing mode and with a single TCP connection (a temporal
+    variant is labelled unvalidated: the idealised model's figure, which no measurement backs)."""
     if not lay.crosses_wan:
         return ()
     other = "spatial" if lay.sharing == "temporal" else "temporal"
-    variants = [(f"{other} sharing", lay.connections, other),
-                ("1 connection", 1, lay.sharing), (f"1 connection, {other} sharing", 1, other)]
+    mark = {"temporal": " (unvalidated)", "spatial": ""}
+    variants = [(f"{other} sharing{mark[other]}", lay.connections, other),
+                (f"1 connection{mark[lay.sharing]}", 1, lay.sharing),
+                (f"1 connection, {other} sharing{mark[other]}", 1, other)]
     return tuple((label, simulate(build(topo, model, replace(lay, connections=k, sharing=mode),
                                         window)).iteration) for label, k, mode in variants)
 

@@ -47,7 +47,15 @@ from unittest import mock
 from commweave import values
 from launch.net.sockets import nccl_env
 from launch.plan import topology
-from launch.plan.placement import load_model, make_plan, render
+from launch.plan.placement import (
+    DEFAULT_SHARING,
+    SHARINGS,
+    UNVALIDATED,
+    load_model,
+    make_plan,
+    render,
+    sharing_modes,
+)
 from launch.plan.plan import Plan
 from launch.plan.socket_limits import tcp_advice
 from launch.run import launchers, runtime
@@ -89,9 +97,10 @@ def deepspeed_parser() -> argparse.ArgumentParser:
     g.add_argument("--atlas-model", metavar="FILE", help="model JSON (else the topology's \"model\")")
     g.add_argument("--wan-connections", type=int, default=None, metavar="N",
                    help="TCP connections per WAN pipeline pair (1..64; default: the planner chooses)")
-    g.add_argument("--atlas-sharing", choices=("temporal", "spatial"), default=None,
-                   help="how DP replicas share a WAN link: take turns (temporal) or at once (spatial); "
-                        "default: the planner chooses")
+    g.add_argument("--atlas-sharing", default=DEFAULT_SHARING, metavar="|".join(SHARINGS),
+                   help="how DP replicas share a WAN link: at once (spatial, the default), taking turns "
+                        f"(temporal), or the faster by the planner's simulator (auto); temporal and auto are "
+                        f"{UNVALIDATED}")
     g.add_argument("--atlas-host", metavar="NAME", help="with --no_ssh: this host's name in the topology")
     g.add_argument("--atlas-hostfile", metavar="PATH", help="keep the generated hostfile at PATH")
     g.add_argument("--atlas-timeout", metavar="SECONDS",
@@ -240,7 +249,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _check_arguments(args) -> None:
-    """Host names, addresses, ports and the timeout given on the command line: commweave.values' rules."""
+    """Host names, addresses, ports, the timeout and the sharing mode given on the command line:
+    commweave.values' rules."""
     for name in ("master_port", "ssh_port"):
         if getattr(args, name) is not None:
             values.port(getattr(args, name), f"--{name}")
@@ -250,6 +260,7 @@ def _check_arguments(args) -> None:
         values.host_name(args.atlas_host, "--atlas-host")
     if args.atlas_timeout is not None:
         values.seconds(args.atlas_timeout, "--atlas-timeout", strings=True)
+    sharing_modes(args.atlas_sharing, "--atlas-sharing")
 
 
 # Integer knobs exported to the nodes that NCCL reads (NCCL takes -1 or garbage for its default or worse:

@@ -78,8 +78,8 @@ BAD_FILES = {
     "NaN": (None, "NaN is not JSON"),
     "duplicate key": (None, "duplicate"),
     "short entry": ({KEY: GOOD[:-2]}, f"entry '{KEY}' must be a list of 19 finite numbers"),
-    "negative": ({KEY: [-1.0] + GOOD[1:]}, "finite numbers >= 0"),
-    "overlap above 1": ({KEY: GOOD[:-1] + [2.0]}, "overlap in [0, 1]"),
+    "negative": ({KEY: [-1.0, *GOOD[1:]]}, "finite numbers >= 0"),
+    "overlap above 1": ({KEY: [*GOOD[:-1], 2.0]}, "overlap in [0, 1]"),
     "strings": ({KEY: ["1"] * 19}, "finite numbers >= 0"),
     "booleans": ({KEY: [True] * 19}, "finite numbers >= 0"),
 }
@@ -90,7 +90,7 @@ def _bad_text(case: str) -> str:
     if case == "NaN":
         return json.dumps({"format": cost_cache.FORMAT, "version": 1, "entries": {KEY: [float("nan")] * 19}})
     if case == "duplicate key":
-        return '{"format": "%s", "version": 1, "entries": {}, "entries": {}}' % cost_cache.FORMAT
+        return f'{{"format": "{cost_cache.FORMAT}", "version": 1, "entries": {{}}, "entries": {{}}}}'
     if isinstance(content, dict):
         return json.dumps({"format": cost_cache.FORMAT, "version": cost_cache.VERSION, "entries": content})
     return content
@@ -115,7 +115,7 @@ def test_good_missing_and_other_layout_entries(tmp_path):
 def test_writes_keep_other_entries_and_never_replace_a_foreign_file(tmp_path):
     path = _file(tmp_path / "costs.json", {"other": GOOD})
     assert cost_cache.write(path, KEY, GOOD)
-    assert json.loads(open(path).read())["entries"] == {"other": GOOD, KEY: GOOD}
+    assert json.loads(path.read_text())["entries"] == {"other": GOOD, KEY: GOOD}
     assert [p.name for p in tmp_path.iterdir()] == ["costs.json"]          # no temporary file left
     config = tmp_path / "ds_config.json"
     config.write_text('{"train_micro_batch_size_per_gpu": 8}')
@@ -180,7 +180,8 @@ def test_the_read_is_agreed_before_use(world, tmp_path, case):
     assert res[0]["fitted"] != pytest.approx(GOOD, rel=1e-3)
     message = res[0]["warnings"][0]
     if case == "garbage on rank 2":
-        assert message.startswith("parm: rank 2: parm cost_cache='costs.json'") and "not valid JSON" in message
+        assert message.startswith("parm: rank 2: parm cost_cache='costs.json'")
+        assert "not valid JSON" in message
         assert res[2]["file"] == "not json {"                               # a foreign file is left alone
     else:
         assert "must agree on entry" in message

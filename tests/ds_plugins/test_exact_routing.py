@@ -191,5 +191,6 @@ def test_auto_trains_in_both_stages_of_a_pipeline(world):
     for rank, res in enumerate(world.run(_pipeline_both)):
         plain, _ = res["deepspeed"]
         losses, chosen = res["auto"]
-        assert len(chosen) == 1 and chosen[0] in ("s1", "s2", "deepspeed"), (rank, chosen)  # one MoE per stage
+        # one MoE per stage
+        assert len(chosen) == 1 and chosen[0] in ("s1", "s2", "deepspeed"), (rank, chosen)
         assert losses == pytest.approx(plain, rel=1e-5, abs=1e-6), (rank, losses, plain)

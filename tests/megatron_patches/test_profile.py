@@ -18,8 +18,10 @@ def test_round_trip(tmp_path):
     assert got.inter.alpha_s == pytest.approx(prof.inter.alpha_s, rel=1e-12)
     assert got == type(prof)(**{**vars(prof), "inter": got.inter, "intra": got.intra})
     assert got.intra.alpha_s == pytest.approx(prof.intra.alpha_s, rel=1e-12)
-    raw = json.load(open(path))
-    assert raw["format"] == profile.FORMAT and raw["intra"] == {"alpha_us": pytest.approx(3.0), "gbytes": 300.0}
+    with open(path) as f:
+        raw = json.load(f)
+    assert raw["format"] == profile.FORMAT
+    assert raw["intra"] == {"alpha_us": pytest.approx(3.0), "gbytes": 300.0}
     # 100 Gb/s Ethernet: the TCP payload share of the line rate (specs.py), one NIC for the node
     assert raw["node_gbytes"] == pytest.approx(12.5 * 1448 / 1538)
 
@@ -81,7 +83,7 @@ def test_where_auto_reads_a_profile(tmp_path, monkeypatch):
     assert profile_path(None) == path and profile_path("given.json") == "given.json"
     assert cfg.topology(8).profile == load(path)
     assert WallFacerConfig(profile=path).topology(8).profile == load(path)
-    with pytest.raises(ValueError, match="wallfacer profile '/nope.json' cannot be read"):
+    with pytest.raises(ValueError, match=r"wallfacer profile '/nope\.json' cannot be read"):
         WallFacerConfig(profile="/nope.json")
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="is not JSON"):

@@ -43,7 +43,8 @@ def test_arguments_pass_through(tmp_path):
 
 
 def test_the_launch_uses_the_planners_choices(tmp_path):
-    """Without --wan-connections / --atlas-sharing the job runs with what the planner chose."""
+    """Without --wan-connections / --atlas-sharing the job runs with what the planner chose (spatial
+    sharing unless asked)."""
     from launch.plan.placement import load_model, make_plan
     from launch.plan.topology import load
 
@@ -53,7 +54,9 @@ def test_the_launch_uses_the_planners_choices(tmp_path):
     want = make_plan(t, load_model(t, None))
     assert launch.plan == want
     assert launch.env["ATLAS_WAN_CONNS"] == str(want.connections)
-    assert launch.env["ATLAS_SHARING"] == want.sharing
+    assert launch.env["ATLAS_SHARING"] == want.sharing == "spatial"    # temporal: only when asked
+    asked = prepare(["--atlas-topology", topo, "--atlas-sharing", "temporal", SCRIPT])
+    assert asked.env["ATLAS_SHARING"] == asked.plan.sharing == "temporal"
     assert launch.env["NCCL_NSOCKS_PERTHREAD"] == str(min(want.connections, 8))
 
 
@@ -119,6 +122,7 @@ def test_bad_topologies_raise_in_prepare(tmp_path, mutate, message):
     (["--include", "a0"], "too few GPUs for the plan"),    # a0's one GPU cannot hold two stages
     (["--num_gpus", "2"], "--num_gpus 2: more than these hosts offer"),
     (["--wan-connections", "65"], "must be <= 64"),
+    (["--atlas-sharing", "fair"], r"--atlas-sharing='fair': must be one of \('spatial', 'temporal'"),
 ])
 def test_conflicting_arguments(tmp_path, argv, message):
     with pytest.raises(ValueError, match=message):

@@ -1,0 +1,193 @@
+"""Hugging Face causal LMs in BubbleTea: any ``transformers`` causal LM from a local directory.
+
+    server = HFPrefillServer("/models/my-llama", chunk_tokens=32, callback=hand_off)
+    server.submit("req-1", prompt_ids)          # prefilled in the bubbles, chunk by chunk
+    # hand_off(result): result.cache is a transformers DynamicCache of the whole prompt, result.first_token
+    # the greedy first token; a decoder continues where the prefill stopped:
+    ids = torch.tensor([prompt + [result.first_token]])
+    out = model.generate(ids, max_new_tokens=n - 1, do_sample=False, **{cache_argument(model): result.cache})
+
+**How.** The prefill service loads the model itself (``AutoModelForCausalLM.from_pretrained(path,
+local_files_only=True)``: nothing is downloaded, no weights cross the pipe) and runs every chunk
+through the model's own forward against a ``DynamicCache`` built from the request's
+:class:`~launch.bubbletea.model.KVCache` (views of its filled prefix); the chunk's new keys and values
+are written back into the KVCache. :class:`HFConfig` is a :class:`~launch.bubbletea.model.ModelSpec`
+and :class:`HFModel` a :class:`~launch.bubbletea.model.PrefillModel`, so the service, its memory cap,
+its cost model and the packer run it as they run :class:`~launch.bubbletea.model.CausalLM` (a
+KVCache ``[L, H_kv, T, Dh]`` has the ``length`` and ``nbytes`` the cap counts, preallocated), and only
+the hand-off knows about Hugging Face: :func:`to_dynamic_cache` turns the finished KVCache into the
+library's own format (:class:`HFPrefillServer` does it for every result).
+The KVCache is float32 whatever the model's dtype (bf16 and fp16 values are exact in float32; it costs
+twice a bf16 cache's memory); the hand-off casts back to the model's dtype.
+
+**Exact in what sense.** A chunk attends to the filled prefix only (i + c keys, the library's own
+masking), so chunked prefill differs from one full forward in the last bits of a float32 reduction
+(3e-8 on the test models), unlike CausalLM's bit-exact scheme. What a decoder needs holds and is
+tested: greedy ``generate()`` continued from BubbleTea's cache gives the tokens of ``generate()`` from
+scratch, for GPT-2 and LLaMA, for chunk sizes that do and do not divide the prompt.
+
+**Which models.** Any model ``AutoModelForCausalLM`` loads whose cache is one full-attention
+``DynamicLayer`` per layer (GPT-2, LLaMA, Mistral and Qwen2 without sliding windows, ...). A model
+whose layers keep a sliding window or a recurrent state is refused with the layer's type: its cache
+is not a prefix of keys and values, so a KVCache cannot hold it.
+
+**The cost model.** The service fits ``a + b·c + e·c·T`` by timing chunks of c tokens at the end of
+caches of T tokens. A Hugging Face chunk attends only to what is filled (its cost grows with its end,
+not with T), so the fit is exact for a request's last chunk and an upper bound for the earlier ones:
+the packer leaves them room to spare, never too little. (Timed into empty caches, ``e`` came out 0 and
+late chunks ran over their predictions: see the README.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from launch.bubbletea.model import CausalLM, KVCache
+from launch.bubbletea.server import PrefillResult, PrefillServer
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclass(frozen=True, slots=True)
+class HFConfig:
+    """A local Hugging Face causal LM as the prefill service sees it; build it with :meth:`load`.
+
+    ``heads`` and ``hidden`` describe the *cache*: key/value heads and their total width (KVCache's
+    shape is ``[layers, heads, T, hidden // heads]``), which differ from the attention's for GQA."""
+
+    path: str
+    dtype: str
+    model_type: str
+    vocab: int
+    max_seq: int
+    layers: int
+    heads: int
+    hidden: int
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: str = "float32", max_seq: int | None = None) -> HFConfig:
+        """Read ``path/config.json``; ``max_seq`` caps the prompt length (default: the model's
+        position limit)."""
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        where = Path(path).expanduser().resolve()
+        if not (where / "config.json").is_file():
+            raise ValueError(f"path={str(path)!r}: not a directory with a config.json (a Hugging Face model "
+                             "saved with save_pretrained; nothing is downloaded)")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}: must be one of {', '.join(DTYPES)}")
+        hf = AutoConfig.from_pretrained(where, local_files_only=True)
+        if hf.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise ValueError(f"path={str(path)!r}: model_type {hf.model_type!r} is not a causal LM "
+                             "transformers' AutoModelForCausalLM can load")
+        text = hf.get_text_config()
+        limit = getattr(text, "max_position_embeddings", None)
+        if max_seq is None:
+            if not isinstance(limit, int):
+                raise ValueError(f"path={str(path)!r}: the config states no max_position_embeddings; "
+                                 "pass max_seq=")
+            max_seq = limit
+        elif isinstance(max_seq, bool) or not isinstance(max_seq, int) or max_seq < 1 or (
+                isinstance(limit, int) and max_seq > limit):
+            raise ValueError(f"max_seq={max_seq!r}: must be an integer in 1..{limit} (the model's "
+                             "max_position_embeddings)")
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return cls(str(where), dtype, hf.model_type, text.vocab_size, max_seq, text.num_hidden_layers,
+                   kv_heads, kv_heads * head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def build(self, device=None) -> HFModel:
+        """The model, loaded here onto ``device`` (the prefill service calls this where it runs)."""
+        return HFModel(self, device)
+
+
+class HFModel:
+    """A Hugging Face causal LM as a :class:`~launch.bubbletea.model.PrefillModel` (``new_cache``,
+    ``prefill_chunk``), with CausalLM's ``cfg`` and ``prefill`` besides."""
+
+    def __init__(self, cfg: HFConfig, device=None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        self.device = torch.device(device or "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=cfg.torch_dtype,
+                                                          local_files_only=True).to(self.device)
+        self.model.requires_grad_(False)
+        self.model.eval()
+        self._cache_arg = cache_argument(self.model)
+
+    def new_cache(self, tokens: int) -> KVCache:
+        return KVCache.empty(self.cfg, tokens, self.device)
+
+    @torch.inference_mode()
+    def prefill_chunk(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Run tokens [c] at positions cache.length.. into the cache; returns their float32 logits [c, V]."""
+        start, c = cache.length, tokens.numel()
+        if not 1 <= c <= cache.capacity - start:
+            raise ValueError(f"chunk of {c} tokens at position {start}: the cache holds {cache.capacity}")
+        dyn = to_dynamic_cache(cache, self.cfg.torch_dtype)
+        ids = tokens.reshape(1, c).to(self.device)
+        out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: dyn})
+        layers = dyn.layers
+        if len(layers) != self.cfg.layers:
+            raise ValueError(f"{self.cfg.model_type}: the model filled {len(layers)} cache layers, its "
+                             f"config states {self.cfg.layers}")
+        for i, layer in enumerate(layers):
+            if type(layer).__name__ != "DynamicLayer":
+                raise ValueError(f"{self.cfg.model_type}: layer {i}'s cache is a {type(layer).__name__}, "
+                                 "not a full-attention DynamicLayer; BubbleTea hands off key/value prefixes "
+                                 "only (no sliding windows or recurrent states)")
+            cache.k[i, :, start:start + c] = layer.keys[0, :, start:]     # layer.keys: [1, H_kv, i + c, Dh]
+            cache.v[i, :, start:start + c] = layer.values[0, :, start:]
+        cache.length = start + c
+        return out.logits[0].float()
+
+    # the prompt in chunks (one forward when None): (cache, last logits [V]); CausalLM's loop, which needs
+    # only new_cache and prefill_chunk
+    prefill = CausalLM.prefill
+
+
+def cache_argument(model) -> str:
+    """The name under which ``model.forward`` and ``model.generate`` take a cache: recent transformers
+    renamed ``past_key_values`` to ``cache`` (and warn about the old name); older ones know only the first."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def to_dynamic_cache(cache: KVCache, dtype: torch.dtype = torch.float32):
+    """The filled prefix of a KVCache [L, H, T, Dh] as a transformers ``DynamicCache`` of batch 1: views
+    when ``dtype`` is the KVCache's (float32), copies otherwise."""
+    from transformers import DynamicCache
+
+    n = cache.length
+    if n == 0:
+        return DynamicCache()
+    return DynamicCache(ddp_cache_data=[(cache.k[i, None, :, :n].to(dtype), cache.v[i, None, :, :n].to(dtype))
+                                        for i in range(cache.k.shape[0])])
+
+
+def with_dynamic_cache(result: PrefillResult, dtype: torch.dtype) -> PrefillResult:
+    return dataclasses.replace(result, cache=to_dynamic_cache(result.cache, dtype))
+
+
+class HFPrefillServer(PrefillServer):
+    """A :class:`PrefillServer` for a local Hugging Face model; ``callback`` gets results whose ``cache`` is
+    a ``DynamicCache`` (in the model's dtype). ``options`` are PrefillServer's."""
+
+    def __init__(self, model: str | Path | HFConfig, chunk_tokens: int,
+                 callback: Callable[[PrefillResult], None], dtype: str = "float32",
+                 max_seq: int | None = None, **options) -> None:
+        cfg = model if isinstance(model, HFConfig) else HFConfig.load(model, dtype, max_seq)
+        super().__init__(cfg, chunk_tokens, lambda r: callback(with_dynamic_cache(r, cfg.torch_dtype)),
+                         **options)

@@ -15,10 +15,14 @@ and read exactly what DeepSpeed writes and reads:
   (one all-gather per layer and dtype), and a load pre-hook keeps this rank's block of an unsharded
   tensor (no communication). ``state_dict(keep_vars=True)`` returns the Parameters themselves (blocks).
 - optimizer, when the engine comes from ``ds_plugins.initialize``: a torch optimizer's per-parameter
-  states (ZeRO off) get the same treatment through its state-dict hooks; ZeRO 1/2's flat partitions are
-  rewritten between the two layouts by ds_plugins.zero_checkpoint. Other optimizer wrappers (fp16/bf16
-  without ZeRO, bf16 ZeRO-1's BF16_Optimizer, ZeRO-3) keep their own sharded layout, with a warning at
-  set-up: their checkpoints load with Parm on and the same ESP size, or with ``load_optimizer_states=False``.
+  states (ZeRO off, fp32) get the same treatment through its state-dict hooks, and so do the fp32 master
+  copies and their states under DeepSpeed's FP16_UnfusedOptimizer (ZeRO off, bf16 or fp16 with a torch
+  optimizer: per-parameter copies, so a block is a slice of its copy; saved in Parm's blocks, they made
+  stock DeepSpeed's load fail with "The size of tensor a (16) must match the size of tensor b (8)");
+  ZeRO 1/2's flat partitions are rewritten between the two layouts by ds_plugins.zero_checkpoint. Other
+  optimizer wrappers (FP16_Optimizer over a fused Adam: one flat fp32 vector per group; bf16 ZeRO-1's
+  BF16_Optimizer; ZeRO-3) keep their own sharded layout, with a warning at set-up: their checkpoints load
+  with Parm on and the same ESP size, or with ``load_optimizer_states=False``.
 
 Saving is collective over each ESP group (an all-gather): every ESP rank calls ``state_dict()`` at the
 same time, as ``engine.save_checkpoint`` (called on every rank) does; calling ``model.state_dict()`` on a
@@ -30,6 +34,8 @@ from __future__ import annotations
 import functools
 
 import torch
+from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.utils import logger
 from torch import nn
 
@@ -89,36 +95,74 @@ def register_layer_hooks(layer: nn.Module) -> None:
     layer.register_load_state_dict_pre_hook(load)
 
 
-def _indexed_params(optimizer: torch.optim.Optimizer, state_dict: dict) -> list[tuple[int, nn.Parameter]]:
-    """(state-dict index, parameter) of every sharded parameter, matched group by group as torch does."""
+def _indexed_params(groups: list[list[nn.Parameter]], state_dict: dict) -> list[tuple[int, nn.Parameter]]:
+    """(state-dict index, model parameter) of every sharded parameter, matched group by group as torch
+    does; ``groups``: the model parameters behind the optimizer's groups, in its order."""
     pairs = []
-    for group, saved in zip(optimizer.param_groups, state_dict["param_groups"], strict=True):
-        pairs += [(i, p) for i, p in zip(saved["params"], group["params"], strict=True)
-                  if hasattr(p, "esp_shard")]
+    for params, saved in zip(groups, state_dict["param_groups"], strict=True):
+        pairs += [(i, p) for i, p in zip(saved["params"], params, strict=True) if hasattr(p, "esp_shard")]
     return pairs
 
 
-def _gather_optimizer_states(order: dict[int, int], optimizer, state_dict: dict) -> dict:
-    """``order``: the model's parameter order (DeepSpeed's MoE parameter groups come in an order that
-    differs between processes; the ESP peers must gather the same tensors in the same order)."""
-    picked = sorted(((i, key, p) for i, p in _indexed_params(optimizer, state_dict)
-                     for key, v in state_dict["state"].get(i, {}).items()
-                     if torch.is_tensor(v) and v.shape == p.shape), key=lambda c: (order[id(c[2])], c[1]))
-    if not picked:
-        return state_dict
-    full = gather([state_dict["state"][i][key] for i, key, _ in picked], [p.esp_shard for _, _, p in picked])
+def _gathered_states(order: dict[int, int], groups, state_dict: dict, masters=None) -> tuple[dict, list]:
+    """The optimizer ``state_dict``, and the fp32 ``masters`` [group][parameter] of bf16/fp16 parameters
+    if given, with every sharded tensor unsharded: one all-gather per dtype. ``order``: the model's
+    parameter order (DeepSpeed's MoE parameter groups come in an order that differs between processes; the
+    ESP peers must gather the same tensors in the same order)."""
     state = {i: dict(s) for i, s in state_dict["state"].items()}
-    for (i, key, _), value in zip(picked, full, strict=True):
-        state[i][key] = value
-    return {**state_dict, "state": state}
+    masters = [list(m) for m in masters or []]
+    # (order, key, parameter, the dict or list holding the tensor, its key or index there)
+    picked = [(order[id(p)], key, p, state[i], key) for i, p in _indexed_params(groups, state_dict)
+              for key, v in state.get(i, {}).items() if torch.is_tensor(v) and v.shape == p.shape]
+    for held, params in zip(masters, groups if masters else [], strict=True):
+        picked += [(order[id(p)], "", p, held, j) for j, p in enumerate(params) if hasattr(p, "esp_shard")]
+    picked.sort(key=lambda c: c[:2])
+    if picked:
+        full = gather([held[at] for *_, held, at in picked], [p.esp_shard for _, _, p, _, _ in picked])
+        for (*_, held, at), value in zip(picked, full, strict=True):
+            held[at] = value
+    return {**state_dict, "state": state}, masters
 
 
-def _slice_optimizer_states(optimizer, state_dict: dict) -> dict:
+def _slice_optimizer_states(groups, state_dict: dict) -> dict:
     state = {i: dict(s) for i, s in state_dict["state"].items()}
-    for i, p in _indexed_params(optimizer, state_dict):
+    for i, p in _indexed_params(groups, state_dict):
         for key, value in state.get(i, {}).items():
             state[i][key] = block_of(value, p, p.esp_shard)
     return {**state_dict, "state": state}
+
+
+def _gather_torch(order: dict[int, int], opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """ZeRO off, fp32: the torch optimizer's own state-dict hooks."""
+    return _gathered_states(order, [g["params"] for g in opt.param_groups], state_dict)[0]
+
+
+def _slice_torch(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+    return _slice_optimizer_states([g["params"] for g in opt.param_groups], state_dict)
+
+
+def _install_unfused(optimizer: FP16_UnfusedOptimizer, order: dict[int, int]) -> None:
+    """bf16/fp16 with ZeRO off: DeepSpeed's FP16_UnfusedOptimizer keeps an fp32 copy of every parameter
+    (``fp32_groups``, saved as is) under a torch optimizer of those copies; both are saved unsharded and
+    loaded as blocks, through the wrapper's own state_dict / load_state_dict (it has no hooks)."""
+    groups = optimizer.fp16_groups  # the model's parameters, aligned with fp32_groups and the inner groups
+    state_dict, load_state_dict = optimizer.state_dict, optimizer.load_state_dict
+
+    def save() -> dict:
+        out = state_dict()
+        inner, masters = _gathered_states(order, groups, out[OPTIMIZER_STATE_DICT], out["fp32_groups"])
+        return {**out, OPTIMIZER_STATE_DICT: inner, "fp32_groups": masters}
+
+    def load(saved: dict, load_optimizer_states: bool = True):
+        masters = [[block_of(m, p, p.esp_shard) if hasattr(p, "esp_shard") else m
+                    for m, p in zip(ms, ps, strict=True)]
+                   for ms, ps in zip(saved["fp32_groups"], groups, strict=True)]
+        saved = {**saved, "fp32_groups": masters}
+        if load_optimizer_states:
+            saved[OPTIMIZER_STATE_DICT] = _slice_optimizer_states(groups, saved[OPTIMIZER_STATE_DICT])
+        return load_state_dict(saved, load_optimizer_states=load_optimizer_states)
+
+    optimizer.state_dict, optimizer.load_state_dict = save, load
 
 
 def install(engine) -> None:
@@ -128,12 +172,14 @@ def install(engine) -> None:
     if not any(hasattr(p, "esp_shard") for p in engine.module.parameters()):
         return
     optimizer = engine.optimizer
+    order = {id(p): n for n, p in enumerate(engine.module.parameters())}
     if zero_checkpoint.supports(optimizer):
         zero_checkpoint.install(engine)
     elif isinstance(optimizer, torch.optim.Optimizer):  # ZeRO off, fp32: the basic optimizer itself
-        order = {id(p): n for n, p in enumerate(engine.module.parameters())}
-        optimizer.register_state_dict_post_hook(functools.partial(_gather_optimizer_states, order))
-        optimizer.register_load_state_dict_pre_hook(_slice_optimizer_states)
+        optimizer.register_state_dict_post_hook(functools.partial(_gather_torch, order))
+        optimizer.register_load_state_dict_pre_hook(_slice_torch)
+    elif isinstance(optimizer, FP16_UnfusedOptimizer):  # ZeRO off, bf16/fp16
+        _install_unfused(optimizer, order)
     elif optimizer is not None:
         logger.warning(f"parm: the optimizer {type(optimizer).__name__} keeps the states of ESP-sharded "
                        "experts in its own sharded layout: its checkpoints load with Parm on and the same "

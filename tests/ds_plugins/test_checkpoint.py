@@ -93,6 +93,7 @@ def _round_trip(path: str, save: dict | None, load: dict | None, stage: int, ext
     return carried_on, training.train(resumed, mpu, 2, 2), fresh
 
 
+BF16 = {"bf16": {"enabled": True}}  # ZeRO 0: DeepSpeed's FP16_UnfusedOptimizer, fp32 master weights
 ROUND_TRIPS = [
     pytest.param(ON | {"schedule": "s1"}, None, 0, {}, id="parm-s1-to-deepspeed-zero0"),
     pytest.param(None, ON, 1, {}, id="deepspeed-to-parm-s2-zero1"),
@@ -104,6 +105,8 @@ ROUND_TRIPS = [
                                "zero_allow_untested_optimizer": True, "optimizer": training.AdamStepInGroups},
                  id="parm-to-deepspeed-zero1-elastic"),
     pytest.param(None, ON | {"schedule": "s1"}, 2, {}, id="deepspeed-to-parm-s1-zero2"),
+    pytest.param(ON, None, 0, BF16, id="parm-to-deepspeed-zero0-bf16"),
+    pytest.param(ON, ON | {"schedule": "s1"}, 0, BF16, id="parm-to-parm-s1-zero0-bf16"),
 ]
 
 
@@ -111,10 +114,15 @@ ROUND_TRIPS = [
 @pytest.mark.parametrize(("save", "load", "stage", "extra"), ROUND_TRIPS)
 def test_training_resumes_with_the_same_losses(world, tmp_path, save, load, stage, extra):
     """Save after 2 steps, resume in a fresh engine with the other setting: the next 2 losses are those
-    of the run that carried on (weights and Adam moments restored), not those of fresh weights."""
+    of the run that carried on (weights, fp32 master weights and Adam moments restored), not those of fresh
+    weights. In bf16 the loss is a bf16 scalar, and Parm's forward (gates widened to fp32 before the combine)
+    and DeepSpeed's round it to neighbouring values at times (seen: 0.99068 and 0.98678 from the same
+    weights, one ulp of 2**-8): across the two the bound is one ulp, rel 2**-7 (fresh weights: 0.077
+    away); Parm to Parm in bf16 is held to 1e-5, so the fp32 masters and moments round-trip exactly."""
+    rel = 2**-7 if "bf16" in extra and (save is None) != (load is None) else 1e-5
     for carried_on, resumed, fresh in world.run(_round_trip, str(tmp_path), save, load, stage, extra):
-        assert resumed == pytest.approx(carried_on, rel=1e-5, abs=1e-6)
-        assert abs(fresh[0] - carried_on[0]) > 1e-3
+        assert resumed == pytest.approx(carried_on, rel=rel, abs=1e-6)
+        assert abs(fresh[0] - carried_on[0]) > 4 * rel * abs(carried_on[0])
 
 
 def _ep_change(path: str, save: dict | None, load: dict | None) -> list[float]:

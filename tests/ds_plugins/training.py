@@ -116,12 +116,13 @@ def batch(step: int, mpu) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train(engine, mpu, first: int, steps: int, seed: int = 7) -> list[float]:
     """Losses of steps ``first`` .. ``first + steps - 1``; the global RNG (the gates' noise) is seeded at the
-    start, identically on every rank."""
+    start, identically on every rank. The batches are cast to the model's dtype (bf16 under ``"bf16"``)."""
     torch.manual_seed(seed)
+    dtype = next(engine.module.parameters()).dtype
     losses = []
     for step in range(first, first + steps):
-        loss = engine(*batch(step, mpu))
+        loss = engine(*(t.to(dtype) for t in batch(step, mpu)))
         engine.backward(loss)
         engine.step()
-        losses.append(loss.item())
+        losses.append(loss.float().item())
     return losses

@@ -10,6 +10,7 @@ import json
 import os
 import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -115,7 +116,7 @@ def test_good_missing_and_other_layout_entries(tmp_path):
 def test_writes_keep_other_entries_and_never_replace_a_foreign_file(tmp_path):
     path = _file(tmp_path / "costs.json", {"other": GOOD})
     assert cost_cache.write(path, KEY, GOOD)
-    assert json.loads(path.read_text())["entries"] == {"other": GOOD, KEY: GOOD}
+    assert json.loads(Path(path).read_text())["entries"] == {"other": GOOD, KEY: GOOD}
     assert [p.name for p in tmp_path.iterdir()] == ["costs.json"]          # no temporary file left
     config = tmp_path / "ds_config.json"
     config.write_text('{"train_micro_batch_size_per_gpu": 8}')

@@ -1,12 +1,15 @@
 """BubbleTea on CPU ranks: training step time with and without prefill in the bubbles, side by side.
 
     python -m benchmarks.bubbletea [--wan-ms 10] [--pairs 12] [--replicas R] [--bind auto|on|off] ...
+    python -m benchmarks.bubbletea --hf DIR | --hf-tiny llama|gpt2 ...    # a Hugging Face causal LM
 
 A DeepSpeed pipeline (2 stages x ``--replicas`` data-parallel replicas, gloo, one intra-op thread per
 rank, the training of examples/bubbletea_pipeline.py) with an emulated one-way WAN latency on every
 pipeline transfer (``--wan-ms``: its stages wait on the WAN as across data centers). Each rank keeps
 ``--outstanding`` prompts queued for its own copy of a small causal LM (0: the windows open with nothing
-to prefill, which prices the window signalling and the service's wake-ups alone).
+to prefill, which prices the window signalling and the service's wake-ups alone): the project's
+CausalLM, or with ``--hf DIR`` a local Hugging Face model (``--hf-tiny llama|gpt2``: a random one of
+CausalLM's size, saved to a temporary directory, for a machine with nothing downloaded).
 
 Each rank stands for a GPU, and BubbleTea's premise is that a rank's bubble is idle hardware. ``--bind``
 gives every rank (and the prefill service it starts, which inherits the mask) its own share of the cores,
@@ -36,10 +39,12 @@ figures taken on a busy 2-core machine are not worth much.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
 import statistics
+import tempfile
 import time
 
 from commweave.world import World
@@ -85,7 +90,7 @@ def bench_rank(cfg: dict) -> dict:
 
     from commweave import comm
     from examples.bubbletea_pipeline import ClosedLoop, build_engine, data, emulate_wan_latency
-    from launch.bubbletea import LMConfig, PrefillServer
+    from launch.bubbletea import PrefillServer
     from launch.bubbletea.engine import BubbleTeaPipelineEngine, enable
 
     if cfg["cores"]:
@@ -97,7 +102,7 @@ def bench_rank(cfg: dict) -> dict:
         wan = enable_deepspeed(atlas_plan(cfg), ifname=cfg["ifname"])
     else:
         wan = emulate_wan_latency(cfg["wan_ms"] / 1e3)
-    lm = LMConfig(hidden=cfg["lm_hidden"], layers=cfg["lm_layers"], max_seq=cfg["prompt"])
+    lm = prefill_spec(cfg)
     stage, stages = engine.stage_id, engine.num_stages
     pipeline, spec = None, lm
     if cfg["pipelined"]:           # the inference model's layers split over the training stages
@@ -179,6 +184,41 @@ def bench_rank(cfg: dict) -> dict:
     return out
 
 
+def prefill_spec(cfg: dict):
+    """The model every rank's service prefills: the project's CausalLM (``--lm-hidden``, ``--lm-layers``),
+    or the Hugging Face model in ``cfg["hf"]`` (a local directory; ``--hf-tiny`` saved one there)."""
+    if cfg.get("hf"):
+        from launch.bubbletea.hf import HFConfig
+
+        return HFConfig.load(cfg["hf"], max_seq=cfg["prompt"])
+    from launch.bubbletea import LMConfig
+
+    return LMConfig(hidden=cfg["lm_hidden"], layers=cfg["lm_layers"], max_seq=cfg["prompt"])
+
+
+def model_name(cfg: dict) -> str:
+    if cfg.get("hf_tiny"):
+        return f"Hugging Face {cfg['hf_tiny']} (random) hidden {cfg['lm_hidden']} x {cfg['lm_layers']} layers"
+    if cfg.get("hf"):
+        return f"Hugging Face model {cfg['hf']}"
+    return f"LM hidden {cfg['lm_hidden']} x {cfg['lm_layers']} layers"
+
+
+@contextlib.contextmanager
+def hf_model(cfg: dict):
+    """``cfg`` with ``hf`` set to the model's directory: ``--hf``'s, or for ``--hf-tiny`` a random model
+    sized by ``--lm-hidden``/``--lm-layers`` saved into a temporary directory (removed after the run)."""
+    if not cfg.get("hf_tiny"):
+        yield cfg
+        return
+    from launch.bubbletea.hf import save_tiny
+
+    with tempfile.TemporaryDirectory(prefix="bubbletea-hf-") as where:
+        save_tiny(cfg["hf_tiny"], where, hidden=cfg["lm_hidden"], layers=cfg["lm_layers"],
+                  max_seq=cfg["prompt"])
+        yield {**cfg, "hf": where}
+
+
 def atlas_plan(cfg: dict):
     """ATLAS's plan for the 2-stage pipeline over the two namespaces (data centers "a" and "b")."""
     from launch.plan import topology
@@ -242,7 +282,7 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
     print(f"BubbleTea, {len(ranks)} CPU ranks (2 stages x {replicas}, {binding}), "
           f"emulated WAN {cfg['wan_ms']:g} ms one way; "
           f"training {cfg['layers']} x Linear({cfg['hidden']}) + Tanh, {cfg['micro_batches']} micro-batches "
-          f"of {cfg['batch']}; prefill LM hidden {cfg['lm_hidden']} x {cfg['lm_layers']} layers, prompts of "
+          f"of {cfg['batch']}; prefill {model_name(cfg)}, prompts of "
           f"{cfg['prompt']} tokens in chunks of {cfg['chunk']}, {cfg['outstanding']} queued per rank, "
           f"guard {cfg['guard_ms']:g} ms; nice: training {cfg['nice']}, prefill {cfg['prefill_nice']}"
           + (" + SCHED_IDLE" if cfg["prefill_idle"] else ""))
@@ -347,6 +387,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pipelined", action="store_true",
                     help="split the inference model's layers over the 2 stages (rows between them on "
                          "loopback)")
+    ap.add_argument("--hf", default=None, metavar="DIR",
+                    help="prefill this local Hugging Face causal LM (save_pretrained's directory) instead of "
+                         "the project's CausalLM")
+    ap.add_argument("--hf-tiny", choices=("llama", "gpt2"), default=None,
+                    help="prefill a random Hugging Face model of that family sized by --lm-hidden and "
+                         "--lm-layers, saved to a temporary directory (nothing downloaded)")
     ap.add_argument("--windows", choices=("measured", "plan", "both"), default="measured",
                     help="where the windows come from: measurement, ATLAS's simulated schedule, or both")
     ap.add_argument("--atlas", action="store_true",
@@ -376,6 +422,16 @@ def main(argv: list[str] | None = None) -> None:
     if cfg["atlas"] and cfg["pipelined"]:
         raise SystemExit("--atlas with --pipelined: the inference pipeline stays inside one data center, and "
                          "--atlas puts the two stages in two")
+    if cfg["hf"] and cfg["hf_tiny"]:
+        raise SystemExit(f"--hf {cfg['hf']} with --hf-tiny {cfg['hf_tiny']}: one model or the other")
+    if (cfg["hf"] or cfg["hf_tiny"]) and cfg["pipelined"]:
+        raise SystemExit("--pipelined splits the project's CausalLM only, not a Hugging Face model (--hf, "
+                         "--hf-tiny)")
+    if cfg["hf"]:
+        try:                  # refused here, before any rank starts
+            prefill_spec(cfg)
+        except ValueError as e:
+            raise SystemExit(f"--hf: {e}") from None
     n = 2 * cfg["replicas"]
     bind, cfg["cpus"], cfg["cores"] = cfg.pop("bind"), len(cpus), None
     if bind != "off":
@@ -384,13 +440,14 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:       # auto: too few cores to bind, run unbound
             if bind == "on":
                 raise SystemExit(f"--bind on: {e}") from None
-    load = " ".join(f"{v:.2f}" for v in os.getloadavg())
-    if cfg["atlas"]:
-        ranks = run_atlas(cfg)
-    else:
-        with World(n, timeout=3600, env={"COMMWEAVE_RANK_THREADS": "1"}) as world:
-            ranks = world.run(bench_rank, cfg)
-    report(cfg, ranks, load, " ".join(f"{v:.2f}" for v in os.getloadavg()))
+    with hf_model(cfg) as cfg:
+        load = " ".join(f"{v:.2f}" for v in os.getloadavg())
+        if cfg["atlas"]:
+            ranks = run_atlas(cfg)
+        else:
+            with World(n, timeout=3600, env={"COMMWEAVE_RANK_THREADS": "1"}) as world:
+                ranks = world.run(bench_rank, cfg)
+        report(cfg, ranks, load, " ".join(f"{v:.2f}" for v in os.getloadavg()))
 
 
 def run_atlas(cfg: dict) -> list[dict]:

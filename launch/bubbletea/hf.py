@@ -52,6 +52,7 @@ from launch.bubbletea.model import CausalLM, KVCache
 from launch.bubbletea.server import PrefillResult, PrefillServer
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+FAMILIES = ("gpt2", "llama")
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,3 +192,38 @@ class HFPrefillServer(PrefillServer):
         cfg = model if isinstance(model, HFConfig) else HFConfig.load(model, dtype, max_seq)
         super().__init__(cfg, chunk_tokens, lambda r: callback(with_dynamic_cache(r, cfg.torch_dtype)),
                          **options)
+
+
+def save_tiny(family: str, where: str | Path, vocab: int = 512, hidden: int = 128, layers: int = 2,
+              heads: int = 4, max_seq: int = 1024, seed: int = 0) -> Path:
+    """A small random GPT-2- or LLaMA-style causal LM saved with ``save_pretrained`` into ``where``
+    (nothing is downloaded), sized like :class:`~launch.bubbletea.model.LMConfig`'s defaults: per layer
+    12·hidden² weights (GPT-2: attention 4·D², MLP 2·D·4D; LLaMA: attention 4·D², gated MLP 3·D·I with
+    I = 8·D/3 rounded up to a multiple of 8). Weights from ``seed``; the global RNG is left as it was."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r}: must be one of {', '.join(FAMILIES)}")
+    for name, v in (("vocab", vocab), ("hidden", hidden), ("layers", layers), ("heads", heads),
+                    ("max_seq", max_seq)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r}: must be a positive integer")
+    if hidden % heads:
+        raise ValueError(f"hidden={hidden}: must be a multiple of heads={heads}")
+    # no bos/eos: prompts are random ids, and generate() must not stop at one
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=vocab, n_positions=max_seq, n_embd=hidden, n_layer=layers,
+                                         n_head=heads, bos_token_id=None, eos_token_id=None)
+        make = transformers.GPT2LMHeadModel
+    else:
+        config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden,
+                                          intermediate_size=-(-hidden // 3) * 8, num_hidden_layers=layers,
+                                          num_attention_heads=heads, num_key_value_heads=heads,
+                                          max_position_embeddings=max_seq, bos_token_id=None,
+                                          eos_token_id=None)
+        make = transformers.LlamaForCausalLM
+    where = Path(where)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        make(config).save_pretrained(where)
+    return where

@@ -2,6 +2,7 @@
 (tracing only vs stock) is reported beside it, and the JSON line carries the figures the issue asks for."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -57,3 +58,25 @@ def test_core_shares_split_like_bind_cores_to_rank():
     assert bench.core_shares([4, 6], 2) == [[4], [6]]
     with pytest.raises(ValueError, match="4 ranks cannot each have a core of 2"):
         bench.core_shares([0, 1], 4)
+
+
+def test_a_hugging_face_model_is_the_spec_every_rank_prefills(tmp_path):
+    """--hf-tiny saves a random model of CausalLM's size, the ranks prefill its HFConfig; bad options fail."""
+    pytest.importorskip("transformers")
+    from launch.bubbletea import LMConfig
+    from launch.bubbletea.hf import HFConfig
+
+    cfg = {"hf": None, "hf_tiny": "llama", "lm_hidden": 64, "lm_layers": 2, "prompt": 48}
+    assert bench.prefill_spec(cfg) == LMConfig(hidden=64, layers=2, max_seq=48)
+    with bench.hf_model(cfg) as tiny:
+        spec = bench.prefill_spec(tiny)
+        assert isinstance(spec, HFConfig) and spec.path == str(Path(tiny["hf"]).resolve())
+        assert (spec.model_type, spec.vocab, spec.max_seq, spec.layers, spec.heads, spec.hidden) == (
+            "llama", LMConfig().vocab, 48, 2, 4, 64)
+    assert not Path(tiny["hf"]).exists()                 # the temporary directory is gone
+    with pytest.raises(SystemExit, match="--pipelined splits the project's CausalLM only"):
+        bench.main(["--hf-tiny", "gpt2", "--pipelined"])
+    with pytest.raises(SystemExit, match="one model or the other"):
+        bench.main(["--hf-tiny", "gpt2", "--hf", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"--hf: path=.*not a directory with a config\.json"):
+        bench.main(["--hf", str(tmp_path)])

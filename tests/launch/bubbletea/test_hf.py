@@ -142,3 +142,20 @@ def test_the_endpoint_serves_a_dynamic_cache_as_the_kv_cache_it_came_from(saved)
     cache, _ = model.prefill(_prompt(9, 3), 4)
     k, v = cache_tensors(to_dynamic_cache(cache))
     assert torch.equal(k, cache.k) and torch.equal(v, cache.v) and k.shape == (2, 2, 9, 8)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_save_tiny_builds_a_model_of_causal_lms_size(tmp_path, family):
+    """hf.save_tiny (the benchmark's --hf-tiny): 12·D² weights per layer like CausalLM, and it prefills."""
+    from launch.bubbletea.hf import save_tiny
+
+    cfg = HFConfig.load(save_tiny(family, tmp_path, hidden=24, layers=2, heads=4, vocab=V, max_seq=32))
+    assert (cfg.model_type, cfg.vocab, cfg.max_seq, cfg.layers, cfg.heads, cfg.hidden) == (
+        family, V, 32, 2, 4, 24)
+    model = HFModel(cfg)
+    per_layer = sum(p.numel() for n, p in model.model.named_parameters() if ".0." in n and p.dim() == 2)
+    assert per_layer == 12 * 24 * 24          # LLaMA: attention 4·D², gated MLP 3·D·64 with 64 = 8·24/3
+    cache, logits = model.prefill(_prompt(9, 2), 4)
+    assert cache.length == 9 and logits.shape == (V,)
+    with pytest.raises(ValueError, match="family='t5': must be one of gpt2, llama"):
+        save_tiny("t5", tmp_path)

@@ -152,7 +152,8 @@ def _initialize_warnings(how: str, path: str) -> tuple[list[str], list[str]]:
     lay = use_layout(2, 2)
     net = Net(mlp(M, H), 2, k=2, capacity_factor=4.0, min_capacity=0)
     config = _config(0, {"enabled": True})
-    if how == "plain, file":
+    if how == "plain, file":          # a file per rank: ranks writing one path raced with each other's reads
+        path = f"{path}.rank{dist.get_rank()}"
         with open(path, "w") as f:
             json.dump(config, f)
         config = path

@@ -97,12 +97,10 @@ class LMConfig:
         return CausalLM(self).to(device or "cpu")
 
 
-@dataclass(frozen=True)
-class Weights:
-    """A :class:`ModelSpec` carrying a given model's weights (a :class:`CausalLM` passed to the server)."""
+class SizesFromConfig:
+    """``vocab`` and ``max_seq`` of a ModelSpec or model that holds its :class:`LMConfig` as ``cfg``."""
 
     cfg: LMConfig
-    state_dict: dict
 
     @property
     def vocab(self) -> int:
@@ -111,6 +109,29 @@ class Weights:
     @property
     def max_seq(self) -> int:
         return self.cfg.max_seq
+
+
+def embed_chunk(lm, tokens: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, int]:
+    """Token + position embeddings of a chunk tokens [c] at positions cache.length..: rows
+    [max(c, MIN_ROWS), D] (padded to MIN_ROWS, the padding's positions clamped into the table) and c.
+    ``lm``: anything with ``tok``, ``pos`` and ``cfg`` (CausalLM, a pipelined first stage)."""
+    start, c = cache.length, tokens.numel()
+    if not 1 <= c <= cache.capacity - start:
+        raise ValueError(f"chunk of {c} tokens at position {start}: the cache holds {cache.capacity}")
+    pad = max(0, MIN_ROWS - c)
+    if pad:
+        tokens = torch.cat([tokens, tokens.new_zeros(pad)])
+    positions = torch.arange(start, start + c + pad, device=tokens.device)
+    positions.clamp_(max=lm.cfg.max_seq - 1)          # padding rows past the table
+    return lm.tok(tokens) + lm.pos(positions), c
+
+
+@dataclass(frozen=True)
+class Weights(SizesFromConfig):
+    """A :class:`ModelSpec` carrying a given model's weights (a :class:`CausalLM` passed to the server)."""
+
+    cfg: LMConfig
+    state_dict: dict
 
     def build(self, device=None) -> CausalLM:
         model = CausalLM(self.cfg)
@@ -177,7 +198,7 @@ class Block(nn.Module):
         return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
 
 
-class CausalLM(nn.Module):
+class CausalLM(SizesFromConfig, nn.Module):
     """Token and learned position embeddings, ``layers`` blocks, final LayerNorm, untied LM head."""
 
     def __init__(self, cfg: LMConfig) -> None:
@@ -198,14 +219,6 @@ class CausalLM(nn.Module):
         self.requires_grad_(False)
         self.eval()
 
-    @property
-    def vocab(self) -> int:
-        return self.cfg.vocab
-
-    @property
-    def max_seq(self) -> int:
-        return self.cfg.max_seq
-
     def new_cache(self, tokens: int) -> KVCache:
         """An empty cache for a prompt of ``tokens`` tokens, on the model's device and in its dtype."""
         return KVCache.empty(self.cfg, tokens, self.head.weight.device, self.head.weight.dtype)
@@ -213,16 +226,8 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def prefill_chunk(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Run tokens [c] at positions cache.length.. into the cache; returns their logits [c, V]."""
-        tokens = tokens.to(self.head.weight.device)
-        start, c = cache.length, tokens.numel()
-        if not 1 <= c <= cache.capacity - start:
-            raise ValueError(f"chunk of {c} tokens at position {start}: the cache holds {cache.capacity}")
-        pad = max(0, MIN_ROWS - c)
-        if pad:
-            tokens = torch.cat([tokens, tokens.new_zeros(pad)])
-        positions = torch.arange(start, start + c + pad, device=tokens.device)
-        positions.clamp_(max=self.cfg.max_seq - 1)          # padding rows past the table
-        x = self.tok(tokens) + self.pos(positions)
+        start = cache.length
+        x, c = embed_chunk(self, tokens.to(self.head.weight.device), cache)
         for i, block in enumerate(self.blocks):
             x = block(x, cache.k[i], cache.v[i], start, c)
         cache.length = start + c

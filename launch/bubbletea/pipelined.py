@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from launch.bubbletea.model import MIN_ROWS, CausalLM, KVCache, LMConfig
+from launch.bubbletea.model import MIN_ROWS, CausalLM, KVCache, LMConfig, SizesFromConfig, embed_chunk
 
 
 @dataclass(frozen=True)
-class StageSpec:
+class StageSpec(SizesFromConfig):
     """A :class:`launch.bubbletea.model.ModelSpec` for layers [lo, hi) of ``LMConfig``'s model."""
 
     cfg: LMConfig
@@ -43,14 +43,6 @@ class StageSpec:
         if not 0 <= self.lo < self.hi <= self.cfg.layers:
             raise ValueError(f"StageSpec: layers [{self.lo}, {self.hi}) must be a non-empty range inside "
                              f"[0, {self.cfg.layers})")
-
-    @property
-    def vocab(self) -> int:
-        return self.cfg.vocab
-
-    @property
-    def max_seq(self) -> int:
-        return self.cfg.max_seq
 
     def build(self, device=None) -> StageLM:
         return StageLM(CausalLM(self.cfg), self.lo, self.hi).to(device or "cpu")
@@ -101,16 +93,7 @@ class StageLM(torch.nn.Module):
         :class:`Rows` for the next stage, or the logits [c, V] on the last."""
         start = cache.length
         if self.first:
-            tokens = inputs.to(self.blocks[0].qkv.weight.device)
-            c = tokens.numel()
-            if not 1 <= c <= cache.capacity - start:
-                raise ValueError(f"chunk of {c} tokens at position {start}: the cache holds {cache.capacity}")
-            pad = max(0, MIN_ROWS - c)
-            if pad:
-                tokens = torch.cat([tokens, tokens.new_zeros(pad)])
-            positions = torch.arange(start, start + c + pad, device=tokens.device)
-            positions.clamp_(max=self.cfg.max_seq - 1)          # padding rows past the table
-            x = self.tok(tokens) + self.pos(positions)
+            x, c = embed_chunk(self, inputs.to(self.blocks[0].qkv.weight.device), cache)
         else:
             x, c = inputs.x.to(self.blocks[0].qkv.weight.device), inputs.real
         for i, block in enumerate(self.blocks):

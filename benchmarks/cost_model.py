@@ -160,9 +160,12 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     from megatron_patches.calibrate import config
 
+    # The kernel at every head count a candidate's calls have: h/U for each Ulysses size U.
+    heads = sorted({args.heads // u for u in range(1, min(args.heads, max(args.worlds)) + 1)
+                    if args.heads % u == 0})
     calib = config(["--out", os.devnull, "--reps", str(args.calib_reps), "--rows", *map(str, args.rows),
-                    "--sizes-log2", *map(str, args.sizes_log2), "--heads", "2", "--head-dim",
-                    str(args.head_dim)])
+                    "--sizes-log2", *map(str, args.sizes_log2), "--heads", *map(str, heads),
+                    "--head-dim", str(args.head_dim)])
     calib["command"] = "python -m benchmarks.cost_model " + " ".join(sys.argv[1:] if argv is None else argv)
     out = {f"P{w}": world_table(w, args, calib) for w in args.worlds}
     if args.json_out:

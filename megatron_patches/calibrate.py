@@ -14,9 +14,13 @@ time too. Each figure is the median over ``--reps`` repetitions of the slowest r
   in groups of g consecutive ranks for every g > 1 dividing the ranks, all groups at once; α_g and
   β_g fitted against the bytes each rank moves, n·(g−1)/g; efficiency = β_intra / β_g.
 - ``attention``: the per-block kernel wallfacer.py selects (block.select_kernel "auto"), on square
-  blocks of n rows for n in --rows, full and causal, forward followed by the online-softmax merge into
-  an accumulator (steps._merge, as attend does), backward followed by the three accumulations (as
-  attend_backward does); TFLOP/s counted as profile.FWD_FLOPS / BWD_FLOPS x score entries x b·h·d.
+  blocks of n rows for n in --rows with each of --heads heads (the model's heads per rank and per
+  Ulysses size: a call's fixed costs are spread over its heads too), full and causal, on strided
+  [b, h, s, d] views of [s, b, h, d] tensors as wallfacer.py passes them, forward followed by the
+  online-softmax merge into an accumulator (steps._merge, as attend does), backward followed by the
+  three accumulations (as attend_backward does), all shapes interleaved (_timed_rounds); TFLOP/s
+  counted as profile.FWD_FLOPS / BWD_FLOPS x score entries x b·h·d, against the work score entries x
+  b·h (profile.py).
 - ``overlap``: one block forward (n = --overlap-rows) and one ring hop (--overlap-bytes) alone, then the
   hop posted before the block and waited after it: (t_block + t_hop − t_both) / min(t_block, t_hop).
 - ``gemm_tflops``: a [4096, H] x [H, H] matmul (H = --hidden), 2·4096·H² FLOPs.
@@ -45,6 +49,7 @@ from megatron_patches.profile import (
     KINDS,
     Collective,
     Curve,
+    Kernel,
     Link,
     Profile,
     save,
@@ -56,12 +61,13 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn, reps: int, device, inner: int = 1) -> list[tuple[float, float]]:
+def _timed(fn, reps: int, device, inner: int = 1, warm: bool = True) -> list[tuple[float, float]]:
     """This rank's (wall, CPU) seconds per call of ``fn`` (``inner`` calls back to back), ``reps`` times,
     every rank starting together (a barrier before each repetition). CPU: the process's, all threads."""
     import torch.distributed as dist
 
-    fn()  # warm-up: first-call allocations and kernel selection outside the timing
+    if warm:
+        fn()  # warm-up: first-call allocations and kernel selection outside the timing
     out = []
     for _ in range(reps):
         if dist.is_initialized():
@@ -72,6 +78,19 @@ def _timed(fn, reps: int, device, inner: int = 1) -> list[tuple[float, float]]:
             fn()
         _sync(device)
         out.append(((time.perf_counter() - t) / inner, (time.process_time() - c) / inner))
+    return out
+
+
+def _timed_rounds(fns: dict, reps: int, device) -> dict:
+    """_timed for several closures, interleaved: each repetition times every one once, starting one later
+    each round (benchmarks.rounds' rule), so that the machine's load drifting over the minutes a
+    calibration takes biases no kernel shape against another."""
+    for fn in fns.values():
+        fn()
+    names, out = list(fns), {name: [] for name in fns}
+    for i in range(reps):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            out[name] += _timed(fns[name], 1, device, warm=False)
     return out
 
 
@@ -93,22 +112,27 @@ def _ring(n: int, device):
 
 
 def _attention(rows: int, heads: int, d: int, dtype, device, causal: bool, backward: bool):
+    """One block call as wallfacer.py makes it: q, k, v, dO as [b, h, rows, d] views of [rows, b, h, d]
+    tensors (steps.bhsd: the kernels take them strided), the forward merged into an all-gather-order
+    accumulator (steps.attend), the backward's dq, dk, dv added into theirs (steps.attend_backward)."""
     from megatron_patches.block import select_kernel
-    from megatron_patches.steps import _merge
+    from megatron_patches.steps import _merge, bhsd
 
     kernel = select_kernel("auto", device, dtype, head_dim=d)
-    q, k, v, do = (torch.randn(1, heads, rows, d, dtype=dtype, device=device) for _ in range(4))
+    q, k, v, do = (bhsd(torch.randn(rows, 1, heads, d, dtype=dtype, device=device)) for _ in range(4))
     o, lse = kernel.forward(q, k, v, d ** -0.5, causal)
-    acc_o, acc_lse = o.float().clone(), lse.float().clone()
-    grads = [torch.zeros(1, heads, rows, d, dtype=torch.float32, device=device) for _ in range(3)]
+    acc_o = torch.zeros(1, rows, 1, heads, d, dtype=torch.float32, device=device)
+    bhsd(acc_o[0]).copy_(o)
+    acc_lse = lse.float().clone()
+    grads = [torch.zeros(rows, 1, heads, d, dtype=torch.float32, device=device) for _ in range(3)]
 
     def fwd():
         o_b, lse_b = kernel.forward(q, k, v, d ** -0.5, causal)
-        _merge(acc_o, acc_lse, o_b.float(), lse_b.float())
+        _merge(bhsd(acc_o[0]), acc_lse, o_b, lse_b)
 
     def bwd():
         for acc, g in zip(grads, kernel.backward(do, q, k, v, o, lse, d ** -0.5, causal), strict=True):
-            acc.add_(g)
+            bhsd(acc).add_(g)
     return bwd if backward else fwd
 
 
@@ -133,12 +157,11 @@ def measure(cfg: dict) -> dict:
 
     device, dtype, reps = torch.device(cfg["device"]), getattr(torch, cfg["dtype"]), cfg["reps"]
     world = dist.get_world_size() if dist.is_initialized() else 1
-    out: dict = {"attention": {}}
-    for name in CURVES:
-        for rows in cfg["rows"]:
-            fn = _attention(rows, cfg["heads"], cfg["head_dim"], dtype, device, name.endswith("causal"),
-                            name.startswith("bwd"))
-            out["attention"][name, rows] = _timed(fn, reps, device)
+    kernels = {(name, rows, h): _attention(rows, h, cfg["head_dim"], dtype, device, name.endswith("causal"),
+                                           name.startswith("bwd"))
+               for name in CURVES for rows in cfg["rows"] for h in cfg["heads"]}
+    out: dict = {"attention": _timed_rounds(kernels, reps, device)}
+    del kernels
     a = torch.randn(4096, cfg["hidden"], dtype=dtype, device=device)
     w = torch.randn(cfg["hidden"], cfg["hidden"], dtype=dtype, device=device)
     out["gemm"] = _timed(lambda: a @ w, reps, device)
@@ -154,7 +177,7 @@ def measure(cfg: dict) -> dict:
             for n in cfg["sizes"]:
                 fn = _collective(kind, mine, n * g, device)
                 out["coll"][kind, g, n * g] = _timed(fn, reps, device, cfg["inner"])
-    block = _attention(cfg["overlap_rows"], cfg["heads"], cfg["head_dim"], dtype, device, False, False)
+    block = _attention(cfg["overlap_rows"], max(cfg["heads"]), cfg["head_dim"], dtype, device, False, False)
     hop = _ring(cfg["overlap_bytes"], device)
 
     def both():
@@ -177,16 +200,18 @@ def profile_from(per_rank: list, cfg: dict, description: str, clock: str = "wall
         if clock == "wall":
             return statistics.median(max(t[0] for t in ts) for ts in zip(*series, strict=True))
         return statistics.median(statistics.mean(t[1] for t in ts) for ts in zip(*series, strict=True))
-    per = cfg["heads"] * cfg["head_dim"]
     curves = {}
     for name in CURVES:
         per_flop = BWD_FLOPS if name.startswith("bwd") else FWD_FLOPS
-        pts = []
-        for rows in cfg["rows"]:
-            scores = rows * (rows + 1) / 2 if name.endswith("causal") else rows * rows
-            t = _slowest(per_rank, lambda r, k=(name, rows): r["attention"][k])
-            pts.append((float(scores), per_flop * scores * per / t / 1e12))
-        curves[name] = Curve(tuple(pts))
+        table = {}
+        for h in cfg["heads"]:
+            pts = []
+            for rows in cfg["rows"]:
+                scores = rows * (rows + 1) / 2 if name.endswith("causal") else rows * rows
+                t = _slowest(per_rank, lambda r, k=(name, rows, h): r["attention"][k])
+                pts.append((float(scores * h), per_flop * scores * h * cfg["head_dim"] / t / 1e12))
+            table[h] = Curve(tuple(pts))
+        curves[name] = Kernel(table)
     gemm = 2 * 4096 * cfg["hidden"] ** 2 / _slowest(per_rank, lambda r: r["gemm"]) / 1e12
     provenance = {"ranks": len(per_rank), "device": cfg["device"], "dtype": cfg["dtype"], "clock": clock,
                   "load_before": cfg.get("load_before"), "load_after": os.getloadavg()[0],
@@ -250,7 +275,8 @@ def config(argv=None) -> dict:
     p.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048])
     p.add_argument("--sizes-log2", type=int, nargs=2, default=[12, 22], metavar=("LO", "HI"),
                    help="message sizes 2^LO..2^HI bytes per rank")
-    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--heads", type=int, nargs="+", default=[8],
+                   help="heads per call: the model's per rank (h/U for each Ulysses size U auto may take)")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--overlap-rows", type=int, default=512)
@@ -259,7 +285,7 @@ def config(argv=None) -> dict:
     p.add_argument("--intra-latency-us", type=float, default=3.0, help="--ranks 1 only")
     a = p.parse_args(argv)
     for flag, value, low in (("--ranks", a.ranks, 1), ("--reps", a.reps, 1), ("--inner", a.inner, 1),
-                             ("--heads", a.heads, 1), ("--head-dim", a.head_dim, 1),
+                             ("--heads", min(a.heads), 1), ("--head-dim", a.head_dim, 1),
                              ("--hidden", a.hidden, 1), ("--overlap-rows", a.overlap_rows, 1),
                              ("--overlap-bytes", a.overlap_bytes, 4096)):
         if value < low:
@@ -274,7 +300,8 @@ def config(argv=None) -> dict:
     return {"out": a.out, "clock": a.clock, "ranks": a.ranks, "device": a.device, "dtype": a.dtype,
             "reps": a.reps, "inner": a.inner, "rows": sorted(a.rows),
             "sizes": [1 << i for i in range(lo, hi + 1)],
-            "heads": a.heads, "head_dim": a.head_dim, "hidden": a.hidden, "overlap_rows": a.overlap_rows,
+            "heads": sorted(set(a.heads)), "head_dim": a.head_dim, "hidden": a.hidden,
+            "overlap_rows": a.overlap_rows,
             "overlap_bytes": a.overlap_bytes, "intra_gbytes": a.intra_GBps, "intra_us": a.intra_latency_us}
 
 

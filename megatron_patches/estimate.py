@@ -243,8 +243,9 @@ def ulysses_s(world: int, sh: Shard, nodes: list[int], topo: Topology, causal: b
     if sh.hq % world or (sh.hkv % world and world % sh.hkv):
         return None
     kv = Shard(sh.s, sh.b, sh.hq, max(sh.hkv, world), sh.d, sh.elt, sh.acc)
-    n_rows, per = sh.s * world, sh.b * (sh.hq // world) * sh.d
-    attn = sum(topo.call_s(n_rows, n_rows, causal, per, backward) for backward in (False, True))
+    n_rows = sh.s * world
+    attn = sum(topo.call_s(n_rows, n_rows, causal, sh.b * (sh.hq // world), sh.d, backward)
+               for backward in (False, True))
     return attn + _all_to_all(kv, world, nodes, topo)
 
 

@@ -88,13 +88,13 @@ class Topology:
         the specs: a separate stream) is the share of the shorter hidden behind the longer."""
         return max(compute, hop) + (1 - self.profile.overlap) * min(compute, hop)
 
-    def call_s(self, rows: int, keys: int, diag: bool, flops_per: float, backward: bool) -> float:
-        """One kernel call: FWD/BWD_FLOPS x its score entries x ``flops_per`` (= b·h·d) at the profile's
-        throughput for a call of that many score entries."""
+    def call_s(self, rows: int, keys: int, diag: bool, heads: int, d: int, backward: bool) -> float:
+        """One kernel call over ``heads`` = b·h heads of dim d: FWD/BWD_FLOPS x its score entries x b·h·d
+        at the profile's throughput for a call of that work (score entries x b·h)."""
         scores = rows * (rows + 1) / 2 if diag else rows * keys
         name = ("bwd" if backward else "fwd") + ("_causal" if diag else "")
         per = BWD_FLOPS if backward else FWD_FLOPS
-        return per * scores * flops_per / (self.profile.attention[name].tflops(scores) * 1e12)
+        return per * scores * heads * d / (self.profile.attention[name].tflops(heads, scores * heads) * 1e12)
 
 
 @lru_cache(maxsize=256)
@@ -117,8 +117,8 @@ def step_shapes(lay: Layout, s: int,
 
 def compute_steps(lay: Layout, sh: Shard, topo: Topology, causal: bool, backward: bool) -> list[float]:
     """Seconds of each ring step's block on its slowest rank."""
-    per = sh.b * sh.hq * sh.d
-    return [max(sum(topo.call_s(r, k, d, per, backward) for r, k, d in calls) for calls in step)
+    return [max(sum(topo.call_s(r, k, diag, sh.b * sh.hq, sh.d, backward) for r, k, diag in calls)
+                for calls in step)
             for step in step_shapes(lay, sh.s, causal)]
 
 

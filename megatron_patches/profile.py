@@ -13,21 +13,28 @@ Nothing in a profile is fitted to a result the model is then checked against (th
 attention benchmark's rows). The JSON file (``FORMAT``) is what ``--wallfacer-profile`` /
 ``COMMWEAVE_WALLFACER_PROFILE`` name for ``auto``::
 
-    {"format": "commweave-wallfacer-profile/1", "source": "measured", "description": "...",
+    {"format": "commweave-wallfacer-profile/2", "source": "measured", "description": "...",
      "ranks_per_node": 8,
      "intra": {"alpha_us": 61.0, "gbytes": 1.9},          # one rank's message inside a node
      "inter": null | {"alpha_us": ..., "gbytes": ...},   # one rank's message between nodes (its NIC)
      "node_gbytes": null | 400.0,                       # a node's whole network (all NICs together)
      "collectives": {"all_gather": {"2": {"alpha_us": .., "efficiency": ..}, "4": ...}, "reduce_scatter":
                      ..., "all_to_all": ...},            # on the intra link, every group running at once
-     "attention": {"fwd": [[scores, tflops], ...], "fwd_causal": ..., "bwd": ..., "bwd_causal": ...},
+     "attention": {"fwd": {"8": [[work, tflops], ...], "1": ...}, "fwd_causal": ..., "bwd": ...,
+                   "bwd_causal": ...},                  # per curve: b·h heads per call -> points
      "overlap": 0.7, "gemm_tflops": 0.02, "provenance": {...}}
 
 A collective on g ranks moving n bytes per rank on a link of β s/byte costs α_g + β·n·(g−1)/g / e_g: e_g = 1
 is the ring/pairwise algorithm at the link's rate (cost.py), e_g < 1 what the measurement found less.
-Attention throughput is per call: a call of ``scores`` score entries (rows × keys; n(n+1)/2 causal) does
-4·scores·b·h·d FLOPs forward (QKᵀ and PV) and 10·… backward (FlashAttention-2's five matmuls), and takes
-FLOPs / throughput(scores), the throughput interpolated log-log between measured sizes (held at the ends).
+Attention throughput is per call: a call of ``scores`` score entries (rows × keys; n(n+1)/2 causal) over
+b·h heads does 4·scores·b·h·d FLOPs forward (QKᵀ and PV) and 10·… backward (FlashAttention-2's five
+matmuls), and takes FLOPs / throughput(work), work = scores·b·h (the call's score entries over all its
+heads: what a kernel's fixed costs are spread over, so a call of 8 heads on 512 x 256 keys runs as fast as
+one of 2 heads on 724², measured), the throughput interpolated log-log between measured sizes (held at the
+ends). Each curve is measured at one or more head counts (a causal call's tiling waste depends on its
+rows, so 1 head x 4096² and 8 heads x 1024² differ at equal work): a call is priced on the curve of the
+measured head count nearest its own (in log, the larger on a tie). Format 2 (this one) keys the curves
+by heads and work; format 1 keyed them by scores of one head.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
-FORMAT = "commweave-wallfacer-profile/1"
+FORMAT = "commweave-wallfacer-profile/2"
 ENV = "COMMWEAVE_WALLFACER_PROFILE"
 SOURCES = ("measured", "spec")
 KINDS = ("all_gather", "reduce_scatter", "all_to_all")
@@ -84,28 +91,43 @@ class Collective:
 
 @dataclass(frozen=True)
 class Curve:
-    """Effective TFLOP/s of one kernel call against its score entries, sorted by size."""
+    """Effective TFLOP/s of one kernel call against its work (score entries x b·h), sorted by work."""
 
     points: tuple[tuple[float, float], ...]
 
     def __post_init__(self) -> None:
         if not self.points:
-            raise ValueError("profile attention curve needs at least one [scores, tflops] point")
+            raise ValueError("profile attention curve needs at least one [work, tflops] point")
         for n, t in self.points:
-            _number(n, "attention scores", 0.0, strict=True)
+            _number(n, "attention work", 0.0, strict=True)
             _number(t, "attention tflops", 0.0, strict=True)
         if [n for n, _ in self.points] != sorted({n for n, _ in self.points}):
             raise ValueError(f"profile attention curve sizes {[n for n, _ in self.points]} must increase")
 
-    def tflops(self, scores: float) -> float:
+    def tflops(self, work: float) -> float:
         pts = self.points
-        if scores <= pts[0][0]:
+        if work <= pts[0][0]:
             return pts[0][1]
         for (n0, t0), (n1, t1) in itertools.pairwise(pts):
-            if scores <= n1:
-                w = math.log(scores / n0) / math.log(n1 / n0)
+            if work <= n1:
+                w = math.log(work / n0) / math.log(n1 / n0)
                 return math.exp((1 - w) * math.log(t0) + w * math.log(t1))
         return pts[-1][1]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kind of call (forward or backward, full or causal): a Curve per measured b·h head count."""
+
+    curves: dict  # int heads -> Curve
+
+    def __post_init__(self) -> None:
+        if not self.curves or any(type(h) is not int or h < 1 for h in self.curves):
+            raise ValueError(f"profile attention head counts {list(self.curves)} must be integers >= 1")
+
+    def tflops(self, heads: int, work: float) -> float:
+        near = min(self.curves, key=lambda h: (abs(math.log(h / heads)), -h))
+        return self.curves[near].tflops(work)
 
 
 @dataclass(frozen=True)
@@ -163,7 +185,8 @@ class Profile:
             out[name] = None if link is None else {"alpha_us": link.alpha_s * 1e6, "gbytes": link.gbytes}
         out["collectives"] = {k: {str(g): {"alpha_us": c.alpha_s * 1e6, "efficiency": c.efficiency}
                                   for g, c in sorted(t.items())} for k, t in self.collectives.items()}
-        out["attention"] = {k: [list(p) for p in self.attention[k].points] for k in CURVES}
+        out["attention"] = {k: {str(h): [list(p) for p in c.points]
+                                for h, c in sorted(self.attention[k].curves.items())} for k in CURVES}
         return out
 
 
@@ -199,12 +222,17 @@ def from_json(raw: dict, source: str = "<profile>") -> Profile:
                                                  c["efficiency"])
         att = raw.get("attention")
         if not isinstance(att, dict):
-            raise ValueError(f"attention={att!r} must map {list(CURVES)} to [[scores, tflops], ...]")
+            raise ValueError(f"attention={att!r} must map {list(CURVES)} to {{heads: [[work, tflops], ...]}}")
         curves = {}
-        for k, pts in att.items():
-            if not isinstance(pts, list) or any(not isinstance(p, list) or len(p) != 2 for p in pts):
-                raise ValueError(f"attention.{k} must be a list of [scores, tflops] pairs")
-            curves[k] = Curve(tuple((p[0], p[1]) for p in pts))
+        for k, per_heads in att.items():
+            if not isinstance(per_heads, dict) or not all(h.isdigit() for h in per_heads):
+                raise ValueError(f"attention.{k} must map integer head counts to [[work, tflops], ...]")
+            table = {}
+            for h, pts in per_heads.items():
+                if not isinstance(pts, list) or any(not isinstance(p, list) or len(p) != 2 for p in pts):
+                    raise ValueError(f"attention.{k}.{h} must be a list of [work, tflops] pairs")
+                table[int(h)] = Curve(tuple((p[0], p[1]) for p in pts))
+            curves[k] = Kernel(table)
         missing = [k for k in ("source", "ranks_per_node", "intra", "overlap", "gemm_tflops") if k not in raw]
         if missing:
             raise ValueError(f"missing fields {missing}")

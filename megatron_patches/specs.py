@@ -22,10 +22,13 @@ per ring step; a hop on its own stream overlaps the block fully, overlap = 1):
                     latencies; at the paper's message sizes (MBs) α is under 1% of any step
 
 Attention kernel (the paper runs FlashAttention, App. A.3): FlashAttention-2 (Dao, arXiv 2307.08691)
-reports 50-73% of the A100's peak, rising with the sequence length; this takes 50% for a 512 x 512
-block and 73% for 16K x 16K, log-log in between, forward and backward alike, causal as full (the paper
-gives the range, not a curve per mask). On H100 FlashAttention-2 reaches 335 TFLOP/s at its best
-(the same paper's H100 figure): 34% of peak, the short end scaled alike (0.34 x 50/73).
+reports 50-73% of the A100's peak, rising with the sequence length; this takes 50% for its shortest
+and 73% for its longest benchmark, log-log in between, forward and backward alike, causal as full (the
+paper gives the range, not a curve per mask). Its benchmark (§4.1) holds 16K tokens per call (batch x
+sequence length), hidden 2048, head dim 128 (16 heads): a 512-token sequence is a call of work
+32 x 16 x 512² = 2^27 score entries (profile.py's axis: scores x b·h), a 16K one 16 x 16384² = 2^32. On
+H100 FlashAttention-2 reaches 335 TFLOP/s at its best (the same paper's H100 figure): 34% of peak, the
+short end scaled alike (0.34 x 50/73).
 
 GEMMs (the layer's other work, for the throughput gains of whole layers): 75% of peak, the middle of
 the 70-80% that NVIDIA's published cuBLAS bf16 figures show for large GEMMs on A100 and H100.
@@ -33,13 +36,15 @@ the 70-80% that NVIDIA's published cuBLAS bf16 figures show for large GEMMs on A
 
 from __future__ import annotations
 
-from megatron_patches.profile import CURVES, Curve, Link, Profile
+from megatron_patches.profile import CURVES, Curve, Kernel, Link, Profile
 
 GPUS = {  # name: (dense bf16 TFLOP/s, NVLink GB/s per direction, attention kernel)
     "a100": (312.0, 300.0, "fa2-a100"),
     "h100": (989.0, 450.0, "fa2-h100"),
 }
-KERNELS = {  # FlashAttention-2's share of peak at a 512² and a 16384² block (module docstring)
+KERNEL_WORK = (2.0 ** 27, 2.0 ** 32)  # FlashAttention-2's shortest and longest benchmark calls (docstring)
+KERNEL_HEADS = 16  # its 16 heads of 128
+KERNELS = {  # FlashAttention-2's share of peak at those two calls (module docstring)
     "fa2-a100": (0.50, 0.73),
     "fa2-h100": (0.34 * 0.50 / 0.73, 0.34),
 }
@@ -62,11 +67,12 @@ def spec_profile(ranks_per_node: int, intra_gbytes: float, node_gbytes: float,
     pay = PAYLOAD[network]
     rank_nic = node_gbytes if rank_nic_gbytes is None else rank_nic_gbytes
     low, high = KERNELS[kernel]
-    curve = Curve(((512.0 ** 2, low * tflops), (16384.0 ** 2, high * tflops)))
+    curve = Curve(((KERNEL_WORK[0], low * tflops), (KERNEL_WORK[1], high * tflops)))
     return Profile(
         "spec", f"public specs: {ranks_per_node}/node, {intra_gbytes:g} GB/s intra, {node_gbytes:g} GB/s "
                 f"{network} per node, {tflops:g} TFLOP/s, {kernel}",
-        ranks_per_node, Link(intra_us * 1e-6, intra_gbytes), {}, dict.fromkeys(CURVES, curve),
+        ranks_per_node, Link(intra_us * 1e-6, intra_gbytes), {},
+        dict.fromkeys(CURVES, Kernel({KERNEL_HEADS: curve})),
         overlap=1.0, gemm_tflops=GEMM_EFFICIENCY * tflops, inter=Link(nic_us * 1e-6, rank_nic * pay),
         node_gbytes=node_gbytes * pay, provenance={"specs": __name__})
 

@@ -98,28 +98,35 @@ class Topology:
 
 
 @lru_cache(maxsize=256)
-def step_shapes(lay: Layout, s: int,
-                causal: bool) -> tuple[tuple[tuple[tuple[int, int, bool], ...], ...], ...]:
+def step_shapes(lay: Layout, s: int, causal: bool) -> tuple[tuple[tuple[tuple, int], ...], ...]:
     """Per ring step, the distinct per-rank lists of kernel calls (rows, keys, diagonal) that the step's
-    ranks make (rowmap.block_calls on the dense layout: what wallfacer.py runs)."""
+    ranks make (rowmap.block_calls on the dense layout: what wallfacer.py runs), each with how many ranks
+    make it."""
     shards = packing.shards(packing.dense(lay.world * s), lay.layout, lay.world)
     rows = [team_rows(tuple(shards[r] for r in lay.team_ranks(t))) for t in range(lay.teams)]
     out = []
     for i in range(lay.ring_len):
-        kinds = set()
+        kinds: dict[tuple, int] = {}
         for r in range(lay.world):
             qt, kt = lay.team_of(r), lay.kv_team(r, i)
-            calls = block_calls(rows[qt], rows[kt], causal, qt == kt)
-            kinds.add(tuple(sorted((q1 - q0, k1 - k0, d) for q0, q1, k0, k1, d in calls)))
-        out.append(tuple(sorted(kinds)))
+            calls = tuple(sorted((q1 - q0, k1 - k0, d) for q0, q1, k0, k1, d in
+                                 block_calls(rows[qt], rows[kt], causal, qt == kt)))
+            kinds[calls] = kinds.get(calls, 0) + 1
+        out.append(tuple(sorted(kinds.items())))
     return tuple(out)
 
 
 def compute_steps(lay: Layout, sh: Shard, topo: Topology, causal: bool, backward: bool) -> list[float]:
-    """Seconds of each ring step's block on its slowest rank."""
-    return [max(sum(topo.call_s(r, k, diag, sh.b * sh.hq, sh.d, backward) for r, k, diag in calls)
-                for calls in step)
-            for step in step_shapes(lay, sh.s, causal)]
+    """Seconds of each ring step's block: on its slowest rank (wall time: the ring waits for it), or the
+    mean over ranks for a profile in CPU seconds (calibrate --clock cpu: what it measures is each rank's
+    own work, averaged over the ranks, so a rank's lighter step is not priced as the heaviest)."""
+    mean = topo.profile.provenance.get("clock") == "cpu"
+    out = []
+    for step in step_shapes(lay, sh.s, causal):
+        per = [(sum(topo.call_s(r, k, diag, sh.b * sh.hq, sh.d, backward) for r, k, diag in calls), n)
+               for calls, n in step]
+        out.append(sum(t * n for t, n in per) / lay.world if mean else max(t for t, _ in per))
+    return out
 
 
 def team_major(world: int, team_size: int) -> tuple[int, ...]:

@@ -18,6 +18,16 @@ per ring step; a hop on its own stream overlaps the block fully, overlap = 1):
     InfiniBand      payload share 1 (4 KiB MTU, ~1% headers: below the precision of anything here)
     Ethernet, TCP   1448 / 1538 = 0.941 at MTU 1500 (Ethernet's 38 bytes of preamble, header, FCS and
                     inter-frame gap, IPv4 20, TCP 20 + 12 of timestamps); one flow may fill the NIC
+    one TCP flow    at most 42 Gb/s of payload: one core's receive-side copy caps a Linux TCP flow at
+                    ~42 Gb/s even with TSO/GRO, jumbo frames and aRFS on (Cai et al., "Understanding
+                    Host Network Stack Overheads", SIGCOMM 2021, https://www.cs.cornell.edu/~ragarwal/
+                    pubs/network-stack.pdf: "a single core is no longer able to process packets at line
+                    rate" at 100 Gb/s). NCCL's socket transport opens NCCL_SOCKET_NTHREADS x
+                    NCCL_NSOCKS_PERTHREAD = 1 x 1 sockets per connection by default (NCCL's environment
+                    variable docs; cloud presets differ) and 2 channels per network peer for send/recv
+                    ("2 p2p channels per peer" in NCCL's INFO log, NVIDIA/nccl#1189; NCCL_NCHANNELS_PER_
+                    NET_PEER "typically 2", a maintainer in NVIDIA/nccl#1424): one rank's message to a
+                    rank on another node rides 2 flows, at most 84 Gb/s, below 100 GbE's 94 Gb/s payload
     latency α       3 µs NVLink, 10 µs InfiniBand, 25 µs TCP: the order of NCCL's small-message
                     latencies; at the paper's message sizes (MBs) α is under 1% of any step
 
@@ -49,6 +59,8 @@ KERNELS = {  # FlashAttention-2's share of peak at those two calls (module docst
     "fa2-h100": (0.34 * 0.50 / 0.73, 0.34),
 }
 PAYLOAD = {"ib": 1.0, "ethernet": 1448 / 1538}
+TCP_FLOW_GBYTES = 42 / 8  # one TCP flow's payload ceiling, GB/s (module docstring)
+NCCL_FLOWS_PER_PEER = 2  # NCCL send/recv channels per network peer x 1 socket each (module docstring)
 GEMM_EFFICIENCY = 0.75
 
 
@@ -65,7 +77,9 @@ def spec_profile(ranks_per_node: int, intra_gbytes: float, node_gbytes: float,
     if not (isinstance(ranks_per_node, int) and ranks_per_node >= 1) or not tflops > 0:
         raise ValueError(f"ranks_per_node={ranks_per_node} must be an integer >= 1 and tflops={tflops} > 0")
     pay = PAYLOAD[network]
-    rank_nic = node_gbytes if rank_nic_gbytes is None else rank_nic_gbytes
+    rank_nic = (node_gbytes if rank_nic_gbytes is None else rank_nic_gbytes) * pay
+    if network == "ethernet":  # one rank's message: NCCL's flows to that peer, each below line rate
+        rank_nic = min(rank_nic, NCCL_FLOWS_PER_PEER * TCP_FLOW_GBYTES)
     low, high = KERNELS[kernel]
     curve = Curve(((KERNEL_WORK[0], low * tflops), (KERNEL_WORK[1], high * tflops)))
     return Profile(
@@ -73,7 +87,7 @@ def spec_profile(ranks_per_node: int, intra_gbytes: float, node_gbytes: float,
                 f"{network} per node, {tflops:g} TFLOP/s, {kernel}",
         ranks_per_node, Link(intra_us * 1e-6, intra_gbytes), {},
         dict.fromkeys(CURVES, Kernel({KERNEL_HEADS: curve})),
-        overlap=1.0, gemm_tflops=GEMM_EFFICIENCY * tflops, inter=Link(nic_us * 1e-6, rank_nic * pay),
+        overlap=1.0, gemm_tflops=GEMM_EFFICIENCY * tflops, inter=Link(nic_us * 1e-6, rank_nic),
         node_gbytes=node_gbytes * pay, provenance={"specs": __name__})
 
 

@@ -37,16 +37,18 @@ def test_summary_ranks_and_the_pick():
 
 def _synthetic(cfg, ranks=2):
     """Per-rank measurements of a machine with known constants: ring α = 50 µs, 2 GB/s; all-gather at 50%
-    of the link, α_2 = 80 µs; kernels at 1 TFLOP/s; block 4 ms, hop 2 ms, both 5 ms (overlap 1/2)."""
+    of the link, α_2 = 80 µs; kernels at 1 TFLOP/s (2 heads) and 2 (8 heads); block 4 ms, hop 2 ms, both
+    5 ms (overlap 1/2)."""
     def t(sec):
         return [(sec, sec / 2)] * cfg["reps"]   # (wall, cpu): the CPU clock sees half
 
-    per = cfg["heads"] * cfg["head_dim"]
     att = {}
     for name in ("fwd", "fwd_causal", "bwd", "bwd_causal"):
         for rows in cfg["rows"]:
-            scores = rows * (rows + 1) / 2 if name.endswith("causal") else rows * rows
-            att[name, rows] = t((BWD_FLOPS if name.startswith("bwd") else FWD_FLOPS) * scores * per / 1e12)
+            for h in cfg["heads"]:   # 1 TFLOP/s at 2 heads, 2 at 8
+                scores = rows * (rows + 1) / 2 if name.endswith("causal") else rows * rows
+                flops = (BWD_FLOPS if name.startswith("bwd") else FWD_FLOPS) * scores * h * cfg["head_dim"]
+                att[name, rows, h] = t(flops / (1e12 if h == 2 else 2e12))
     coll = {}
     for kind, eff in (("all_gather", 0.5), ("reduce_scatter", 1.0), ("all_to_all", 0.25)):
         for n in cfg["sizes"]:
@@ -58,13 +60,17 @@ def _synthetic(cfg, ranks=2):
 
 
 def test_profile_from_recovers_the_constants():
-    cfg = config(["--out", "x", "--reps", "3", "--rows", "64", "256", "--sizes-log2", "12", "16"])
+    cfg = config(["--out", "x", "--reps", "3", "--rows", "64", "256", "--sizes-log2", "12", "16",
+                  "--heads", "8", "2"])
     prof = profile_from(_synthetic(cfg), cfg, "synthetic")
     assert prof.intra.alpha_s == pytest.approx(50e-6) and prof.intra.gbytes == pytest.approx(2.0)
     assert prof.collectives["all_gather"][2].efficiency == pytest.approx(0.5)
     assert prof.collectives["all_gather"][2].alpha_s == pytest.approx(80e-6)
     assert prof.collectives["all_to_all"][2].efficiency == pytest.approx(0.25)
-    assert all(t == pytest.approx(1.0) for c in prof.attention.values() for _, t in c.points)
+    for kernel in prof.attention.values():   # per head count, against the work scores x heads
+        assert [t for _, t in kernel.curves[2].points] == [pytest.approx(1.0)] * 2
+        assert [t for _, t in kernel.curves[8].points] == [pytest.approx(2.0)] * 2
+        assert kernel.curves[8].points[0][0] == 4 * kernel.curves[2].points[0][0]
     assert prof.gemm_tflops == pytest.approx(3.0) and prof.overlap == pytest.approx(0.5)
     cpu = profile_from(_synthetic(cfg), cfg, "synthetic", clock="cpu")   # every time halved
     assert cpu.intra.gbytes == pytest.approx(4.0) and cpu.gemm_tflops == pytest.approx(6.0)

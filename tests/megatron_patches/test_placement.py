@@ -57,12 +57,13 @@ def test_auto_prefers_teams_across_slow_ethernet():
 
 
 def test_estimate_is_compute_bound_on_one_fast_node():
-    """Eight GPUs on NVLink at 64K tokens: every C hides its hops behind compute, so all are close."""
-    topo = Topology.from_specs(8, intra_gbytes=450, nic_gbytes=400, tflops=400, rank_nic_gbytes=50)
-    nodes = [0] * 8
-    sh = Shard(s=65536 // 8, b=1, hq=32, hkv=8, d=128, elt=2, acc=4)
-    times = [estimate(Layout(8, c), sh, nodes, topo) for c in (1, 2)]
-    assert max(times) / min(times) < 1.1
+    """Eight GPUs on NVLink at 64K tokens: every C hides its hops behind compute, so a 10x faster link
+    changes no estimate by more than 3% (what differs between the C is the kernel calls' sizes)."""
+    def times(gbytes):
+        topo = Topology.from_specs(8, intra_gbytes=gbytes, nic_gbytes=400, tflops=400, rank_nic_gbytes=50)
+        sh = Shard(s=65536 // 8, b=1, hq=32, hkv=8, d=128, elt=2, acc=4)
+        return [estimate(Layout(8, c), sh, [0] * 8, topo) for c in (1, 2)]
+    assert times(4500) == pytest.approx(times(450), rel=0.03)
 
 
 def test_choose_errors():

@@ -6,7 +6,7 @@ import pytest
 
 from megatron_patches import profile
 from megatron_patches.args import WallFacerConfig
-from megatron_patches.profile import Collective, Curve, from_json, load, profile_path, save
+from megatron_patches.profile import Collective, Curve, Kernel, from_json, load, profile_path, save
 from megatron_patches.specs import gpu_profile, spec_profile
 
 
@@ -30,6 +30,11 @@ def test_curve_interpolates_log_log_and_holds_at_the_ends():
     c = Curve(((100.0, 1.0), (10000.0, 4.0)))
     assert c.tflops(10.0) == 1.0 and c.tflops(1e6) == 4.0
     assert c.tflops(1000.0) == pytest.approx(2.0)   # halfway in log size: the geometric mean
+
+
+def test_a_call_takes_the_curve_of_the_nearest_measured_head_count():
+    k = Kernel({1: Curve(((1.0, 1.0),)), 4: Curve(((1.0, 4.0),)), 16: Curve(((1.0, 16.0),))})
+    assert [k.tflops(h, 10.0) for h in (1, 2, 3, 8, 32)] == [1.0, 4.0, 4.0, 16.0, 16.0]   # 2 and 8: ties
 
 
 def test_unmeasured_group_sizes():
@@ -56,7 +61,9 @@ def _raw():
     (lambda r: r["intra"].update(gbytes=-1), "gbytes=-1 must be a finite number > 0"),
     (lambda r: r["intra"].update(alpha_us=float("nan")), "intra.alpha_us=nan must be a finite number"),
     (lambda r: r["attention"].pop("bwd"), "needs ['fwd', 'fwd_causal', 'bwd', 'bwd_causal']"),
-    (lambda r: r["attention"].update(fwd=[[4.0, 1.0], [2.0, 1.0]]), "sizes [4.0, 2.0] must increase"),
+    (lambda r: r["attention"].update(fwd={"16": [[4.0, 1.0], [2.0, 1.0]]}), "sizes [4.0, 2.0] must increase"),
+    (lambda r: r["attention"].update(fwd=[[4.0, 1.0]]), "attention.fwd must map integer head counts"),
+    (lambda r: r["attention"].update(fwd={"0": [[4.0, 1.0]]}), "head counts [0] must be integers >= 1"),
     (lambda r: r.update(collectives={"all_gather": {"1": {"alpha_us": 1, "efficiency": 1}}}),
      "group sizes [1] must be integers >= 2"),
     (lambda r: r.update(collectives={"all_gather": {"2": {"alpha_us": 1, "efficiency": 9}}}),

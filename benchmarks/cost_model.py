@@ -8,7 +8,7 @@ Per world of P gloo ranks (one thread each, as benchmarks.attention runs them): 
 per group size, the kernel per block size, overlap; nothing of the attention runs below goes into it),
 then the candidates' causal attention forward + backward (wallfacer_attention with ulysses_size U, team
 size C and the slot order; MHA, fp32, N = P x --seq-per-rank tokens), interleaved rounds
-(benchmarks.rounds), then the model's seconds for each (estimate.plan_s with the measured profile, one
+(benchmarks.rounds), then the model's seconds for each (choice.plan_s with the measured profile, one
 node). Both clocks: wall (median over rounds of the slowest rank) and CPU (median of the mean over ranks
 of each rank's process CPU time), each against the profile calibrated in that clock.
 
@@ -90,7 +90,7 @@ def _measure(s: int, b: int, h: int, d: int, cands: list, rounds: int) -> dict:
 def world_table(world: int, args, calib_cfg: dict) -> dict:
     from commweave.world import World
     from megatron_patches.calibrate import calibrate
-    from megatron_patches.estimate import candidates, plan_s
+    from megatron_patches.choice import candidates, plan_s
     from megatron_patches.placement import Topology
     from megatron_patches.volume import Shard
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from megatron_patches.estimate import Cluster, Model, dense_layer_s, plan_s
+from megatron_patches.choice import plan_s
+from megatron_patches.estimate import Cluster, Model, dense_layer_s
 from megatron_patches.layout import valid_team_sizes
 from megatron_patches.placement import ORDERS
 from megatron_patches.specs import gpu_profile

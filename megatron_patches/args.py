@@ -54,7 +54,7 @@ class WallFacerConfig:
     ulysses_size: int | str = 1
     """U: Ulysses x WallFacer, a head all-to-all over U consecutive CP ranks, WallFacer over the P/U
     groups (hybrid.py); 1 is WallFacer alone. "auto": the cost model picks U among 1 and the sizes the
-    heads allow inside a node (estimate.choose_hybrid), with C (when team_size is "auto" too, else the
+    heads allow inside a node (choice.choose_hybrid), with C (when team_size is "auto" too, else the
     given C where C² divides P/U) and the placement order."""
     ranks_per_node: int | None = None
     """Consecutive global ranks per node; None reads LOCAL_WORLD_SIZE (else one node)."""

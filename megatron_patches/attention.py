@@ -35,7 +35,7 @@ from megatron_patches import packing
 from megatron_patches.args import CP_COMM_TYPES, WallFacerConfig
 from megatron_patches.block import acc_dtype
 from megatron_patches.checks import check_inputs
-from megatron_patches.estimate import Plan, choose_hybrid, ranked, reason
+from megatron_patches.choice import Plan, choose_hybrid, ranked, reason
 from megatron_patches.layout import team_size_error
 from megatron_patches.placement import nodes_of
 from megatron_patches.volume import Shard
@@ -73,7 +73,7 @@ def plan_layout(cfg: WallFacerConfig, cp_ranks: list[int], world_size: int, q_sh
 
     A pure function of the config, the shapes and the topology arguments, so every rank plans alike
     without communication (the first call's check agrees the outcome): "auto" settings go to the cost
-    model (estimate.choose_hybrid, the same choice ``python -m megatron_patches.estimate`` marks).
+    model (choice.choose_hybrid, the same choice ``python -m megatron_patches.estimate`` marks).
     """
     s, b, h, d = q_shape
     sh = Shard(s, b, h, kv_heads, d, dtype.itemsize, acc_dtype(dtype).itemsize)

@@ -1,5 +1,5 @@
 """``auto`` for the Ulysses size: WallFacerAttention picks (U, C) with the calibrated model
-(estimate.choose_hybrid), the same plan ``python -m megatron_patches.estimate`` marks, runs it exactly, and
+(choice.choose_hybrid), the same plan ``python -m megatron_patches.estimate`` marks, runs it exactly, and
 every CP rank refuses a run whose ranks disagree on U, C, the backward variant, team_qkv, causal or the
 shard shape (checks.check_inputs, wallfacer.check_settings).
 
@@ -16,17 +16,8 @@ import torch
 import torch.distributed as dist
 
 from commweave import ledger
-from megatron_patches.estimate import (
-    Cluster,
-    Model,
-    _all_to_all,
-    choose_hybrid,
-    hybrid_s,
-    hybrid_sizes,
-    main,
-    plan,
-    report,
-)
+from megatron_patches.choice import _all_to_all, choose_hybrid, hybrid_s, hybrid_sizes, plan
+from megatron_patches.estimate import Cluster, Model, main, report
 from megatron_patches.layout import Layout
 from megatron_patches.placement import ORDERS, Topology
 from megatron_patches.volume import META_BYTES, SETTINGS_BYTES, Shard, hybrid_bytes
@@ -41,19 +32,21 @@ CPU = Cluster(8, 8, intra_gbytes=2, inter_gbits=16, latency_us=50, tflops=0.05, 
 
 # name: (cluster, model, the (U, C) auto picks), under the spec model (specs.py), checked by hand:
 # - GPT, 64 H100: Ulysses over 4 of a node's 8 GPUs leaves ring attention over 16 groups whose 4x larger
-#   blocks hide most hops (370 ms); U = 8 is within 0.1% (370.0 ms), ring alone 2.5% behind U = 2.
-# - DiT, 32 A100, 100 Gb/s Ethernet: ring attention (861 ms): one flow per node boundary fills the node's one
-#   NIC (specs.py), so nothing beats its 31 overlapped hops; U = 2 is 0.9% behind, any C > 1 adds concurrent
-#   flows across nodes (README: where the spec model misses the paper).
-# - the CPU box at the shape of benchmarks.attention (P = 8, 4096 tokens, 8 heads x 64): one node, so
-#   Ulysses alone: U = 8; with 4 query heads (MQA) U = 4 (U must divide the heads; the one K/V head is
-#   replicated to the 4 members) and ring attention over the 2 groups.
+#   blocks hide most hops (370 ms); U = 8 is within 0.1% (370.0 ms), WallFacer C = 2 alone 6.7% behind.
+# - DiT, 32 GPUs, 8 per node, the command's flags (400 GB/s Ethernet per node, one NIC): ring attention's
+#   message across a node boundary rides NCCL's 2 TCP flows, at most 84 Gb/s (specs.py), in each of its 31
+#   steps (928 ms); Ulysses over 2 halves the steps and doubles the block each hides (559 ms; U = 4 and 8
+#   within 0.1%, WallFacer C = 2 alone 647 ms).
+# - the CPU box at the shape of benchmarks.attention (P = 8, 4096 tokens, 8 heads x 64), and with 4 query
+#   heads (MQA): ring attention, every plan within 0.5%: all calls are below FlashAttention-2's smallest
+#   benchmark call, so they price alike, and the ring's hops hide behind blocks (spec overlap 1) where
+#   the all-to-alls do not.
 DIT, GPT = "DiT 1B, 32 A100, 100 Gb/s Ethernet, 512K", "GPT 7B, 64 H100, 8x400 Gb/s IB, 512K"
 HAND_CHECKED = {
-    DIT: (*PAPER[DIT][:2], (1, 1)),
+    DIT: (*PAPER[DIT][:2], (2, 1)),
     GPT: (*PAPER[GPT][:2], (4, 1)),
-    "CPU, 8 ranks, 4096 tokens, 8 heads": (CPU, Model(hidden=512, heads=8, seq=4096, causal=True), (8, 1)),
-    "CPU, 8 ranks, 4096 tokens, MQA 4:1": (CPU, Model(hidden=256, heads=4, kv_heads=1, seq=4096), (4, 1)),
+    "CPU, 8 ranks, 4096 tokens, 8 heads": (CPU, Model(hidden=512, heads=8, seq=4096, causal=True), (1, 1)),
+    "CPU, 8 ranks, 4096 tokens, MQA 4:1": (CPU, Model(hidden=256, heads=4, kv_heads=1, seq=4096), (1, 1)),
 }
 
 

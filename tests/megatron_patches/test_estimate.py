@@ -13,16 +13,8 @@ import shlex
 import pytest
 
 from benchmarks import paper_check
-from megatron_patches.estimate import (
-    Cluster,
-    Model,
-    choose_hybrid,
-    hybrid_s,
-    main,
-    plans,
-    report,
-    ulysses_s,
-)
+from megatron_patches.choice import choose_hybrid, hybrid_s, plans, ulysses_s
+from megatron_patches.estimate import Cluster, Model, main, report
 from megatron_patches.layout import Layout
 from megatron_patches.placement import ORDERS, estimate
 from megatron_patches.profile import save

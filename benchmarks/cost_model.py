@@ -163,9 +163,12 @@ def main(argv=None) -> dict:
     # The kernel at every head count a candidate's calls have: h/U for each Ulysses size U.
     heads = sorted({args.heads // u for u in range(1, min(args.heads, max(args.worlds)) + 1)
                     if args.heads % u == 0})
+    # and up to the largest call: U·C·s rows of h/U heads (a team of C members' rows, U groups' each), so
+    # rows x heads <= C_max·s·h with C_max = sqrt(P) the largest team.
+    big = int(max(args.worlds) ** 0.5) * args.seq_per_rank * args.heads
     calib = config(["--out", os.devnull, "--reps", str(args.calib_reps), "--rows", *map(str, args.rows),
                     "--sizes-log2", *map(str, args.sizes_log2), "--heads", *map(str, heads),
-                    "--head-dim", str(args.head_dim)])
+                    "--head-dim", str(args.head_dim), "--max-rows-x-heads", str(big)])
     calib["command"] = "python -m benchmarks.cost_model " + " ".join(sys.argv[1:] if argv is None else argv)
     out = {f"P{w}": world_table(w, args, calib) for w in args.worlds}
     if args.json_out:

@@ -136,6 +136,14 @@ def _attention(rows: int, heads: int, d: int, dtype, device, causal: bool, backw
     return bwd if backward else fwd
 
 
+def kernel_rows(cfg: dict, heads: int) -> list[int]:
+    """The block sizes measured at ``heads`` heads: --rows, up to --max-rows-x-heads / heads (a model's calls
+    have fewer heads where they have more rows: U·s rows of h/U heads), at least the smallest."""
+    cap = cfg.get("max_rows_x_heads")
+    rows = [n for n in cfg["rows"] if cap is None or n * heads <= cap]
+    return rows or cfg["rows"][:1]
+
+
 def _collective(kind: str, group, n: int, device):
     from commweave import comm
 
@@ -159,7 +167,7 @@ def measure(cfg: dict) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else 1
     kernels = {(name, rows, h): _attention(rows, h, cfg["head_dim"], dtype, device, name.endswith("causal"),
                                            name.startswith("bwd"))
-               for name in CURVES for rows in cfg["rows"] for h in cfg["heads"]}
+               for name in CURVES for h in cfg["heads"] for rows in kernel_rows(cfg, h)}
     out: dict = {"attention": _timed_rounds(kernels, reps, device)}
     del kernels
     a = torch.randn(4096, cfg["hidden"], dtype=dtype, device=device)
@@ -206,7 +214,7 @@ def profile_from(per_rank: list, cfg: dict, description: str, clock: str = "wall
         table = {}
         for h in cfg["heads"]:
             pts = []
-            for rows in cfg["rows"]:
+            for rows in kernel_rows(cfg, h):
                 scores = rows * (rows + 1) / 2 if name.endswith("causal") else rows * rows
                 t = _slowest(per_rank, lambda r, k=(name, rows, h): r["attention"][k])
                 pts.append((float(scores * h), per_flop * scores * h * cfg["head_dim"] / t / 1e12))
@@ -279,6 +287,8 @@ def config(argv=None) -> dict:
                    help="heads per call: the model's per rank (h/U for each Ulysses size U auto may take)")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--max-rows-x-heads", type=int, default=None,
+                   help="measure a block of n rows at h heads only where n x h <= this (default: all)")
     p.add_argument("--overlap-rows", type=int, default=512)
     p.add_argument("--overlap-bytes", type=int, default=1 << 20)
     p.add_argument("--intra-GBps", type=float, default=450.0, help="--ranks 1 only: the link, from specs")
@@ -301,7 +311,7 @@ def config(argv=None) -> dict:
             "reps": a.reps, "inner": a.inner, "rows": sorted(a.rows),
             "sizes": [1 << i for i in range(lo, hi + 1)],
             "heads": sorted(set(a.heads)), "head_dim": a.head_dim, "hidden": a.hidden,
-            "overlap_rows": a.overlap_rows,
+            "overlap_rows": a.overlap_rows, "max_rows_x_heads": a.max_rows_x_heads,
             "overlap_bytes": a.overlap_bytes, "intra_gbytes": a.intra_GBps, "intra_us": a.intra_latency_us}
 
 

@@ -301,7 +301,8 @@ import json, sys
 from megatron_patches.profile import load
 p = load(sys.argv[1])
 print(json.dumps({'benchmark': 'calibrate', 'device': p.provenance['device'], 'passed': True,
-                  'fwd_tflops': p.attention['fwd'].points, 'bwd_tflops': p.attention['bwd'].points,
+                  'fwd_tflops': {h: c.points for h, c in p.attention['fwd'].curves.items()},
+                  'bwd_tflops': {h: c.points for h, c in p.attention['bwd'].curves.items()},
                   'gemm_tflops': p.gemm_tflops}))" "$1"
 }
 

@@ -203,7 +203,9 @@ def from_json(raw: dict, source: str = "<profile>") -> Profile:
     try:
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             got = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
-            raise ValueError(f"format={got!r} must be {FORMAT!r}")
+            again = " (an older profile: measure it again with --calibrate)" \
+                if isinstance(got, str) and got.startswith(FORMAT[:-1]) else ""
+            raise ValueError(f"format={got!r} must be {FORMAT!r}{again}")
         known = {"format", "source", "description", "ranks_per_node", "intra", "inter", "node_gbytes",
                  "collectives", "attention", "overlap", "gemm_tflops", "provenance"}
         if set(raw) - known:

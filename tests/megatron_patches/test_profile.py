@@ -54,6 +54,7 @@ def _raw():
 
 @pytest.mark.parametrize("edit, message", [
     (lambda r: r.update(format="v0"), "format='v0' must be"),
+    (lambda r: r.update(format="commweave-wallfacer-profile/1"), "an older profile: measure it again"),
     (lambda r: r.update(source="guessed"), "source='guessed' is not one of"),
     (lambda r: r.update(overlap=1.5), "overlap=1.5 must be in [0, 1]"),
     (lambda r: r.update(gemm_tflops=0), "gemm_tflops=0 must be a finite number > 0"),

@@ -33,7 +33,9 @@ from launch.plan import baselines, gain
 from launch.plan import topology as topology_mod
 from launch.plan.estimate import ModelSpec, stage_layers
 from launch.plan.placement import (
+    DEFAULT_ENGINE,
     DEFAULT_SHARING,
+    ENGINES,
     SHARINGS,
     UNVALIDATED,
     atlas_layouts,
@@ -149,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="how DP replicas share a WAN link: at once (spatial, the default), taking turns "
                          "(temporal), or the faster by the simulator (auto); temporal and auto are "
                          f"{UNVALIDATED}")
+    ap.add_argument("--engine", default=DEFAULT_ENGINE, metavar="|".join(ENGINES),
+                    help="the training engine ATLAS runs on, whose call order ranks its layouts (default "
+                         "deepspeed: what deepspeed-atlas launches; megatron: a Megatron-LM script with "
+                         "launch.run.runtime.enable_megatron)")
     ap.add_argument("--timeline", metavar="FILE.png", help="draw ATLAS's iteration, one row per GPU")
     ap.add_argument("--timeline-span", metavar="START:END", type=_span, default=None,
                     help="draw only this part of the iteration, in seconds (default: all of it)")
@@ -170,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         topo = topology_mod.load(args.topology)
         model = load_model(topo, args.atlas_model)
         sharings = sharing_modes(args.sharing, "--sharing")
-        atlas = choose(topo, model, args.wan_connections, args.sharing, DEFAULT_WINDOW)
+        values.choice(args.engine, "--engine", ENGINES)
+        atlas = choose(topo, model, args.wan_connections, args.sharing, DEFAULT_WINDOW, args.engine)
         plan = plan_of(topo, model, atlas, DEFAULT_WINDOW)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -185,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         steps = gain.decompose(topo, model, atlas, others, DEFAULT_WINDOW)
     across = None
     if not args.no_baselines and not atlas.layout.crosses_wan and len(topo.datacenters) > 1:
-        spanning = (lay for lay in atlas_layouts(topo, model, DEFAULT_WINDOW, args.wan_connections)
-                    if lay.crosses_wan)
+        spanning = (lay for lay in atlas_layouts(topo, model, DEFAULT_WINDOW, args.wan_connections,
+                                                 engine=args.engine) if lay.crosses_wan)
         across = best(topo, model, spanning, DEFAULT_WINDOW, sharings)
     print(render(plan, topo, model))
     if not args.no_baselines:

@@ -4,9 +4,15 @@ The baselines (launch.plan.baselines) get the freedom of their own systems; ATLA
 of them in four mechanisms, added one at a time, each step the simulator's best layout with the
 mechanisms so far (the same branch-and-bound search, launch.plan.search):
 
-    T0  the best baseline anywhere (its own placements, GPUs and layer split, 1 connection, spatial)
+    T0  the best baseline anywhere (its own placements, GPUs and layer split, 1 connection, spatial,
+          its own engine's schedule: launch.plan.baselines.SCHEDULES)
+    T0' + engine: the same system's layouts run by the schedule of ATLAS's engine (DeepSpeed's by
+          default: what deepspeed-atlas launches); 1.00x when the best baseline runs that engine too,
+          below 1.00x where the baseline's engine overlaps its transfers better (Megatron's combined
+          send+recv calls against DeepSpeed's one-at-a-time ones)
     T1  + placement: ATLAS's whole stages per data center (Algorithm 1's fill in every DC order, every
           order of the used DCs) with any pp/tp/dp, the best baseline's layer split, 1 connection, spatial
+          (from here on every step runs ATLAS's engine's schedule)
     T2  + layer split: layers in proportion to the stages' GPU speed within their memory
     T3  + connections: the TCP connections per WAN pair that fill the links (ATLAS's choice per layout)
     T4  + sharing: ATLAS's plan, with the sharing mode the planner was given: spatial by default, so
@@ -32,6 +38,7 @@ from launch.plan.plan import Plan
 from launch.plan.search import Choice, best
 from launch.plan.topology import Topology
 
+ENGINE_NAMES = {"deepspeed": "DeepSpeed", "megatron": "Megatron"}
 SPLITS = {"deepspeed": baselines.even_split, "megatron": baselines.megatron_split,
           "varuna": baselines.even_split, "dp-wan": baselines.even_split}
 
@@ -43,13 +50,14 @@ class Step:
     ratio: float | None       # previous step's seconds / this one's
 
 
-def compare(topo: Topology, model: ModelSpec, window: float, gpus: int | None = None
-            ) -> dict[str, Choice | None]:
+def compare(topo: Topology, model: ModelSpec, window: float, gpus: int | None = None,
+            engine: str | None = None) -> dict[str, Choice | None]:
     """Each baseline's fastest layout by simulation (None: it has none); ``gpus``: only layouts on
-    exactly that many GPUs."""
+    exactly that many GPUs; ``engine``: run by that schedule instead of the system's own."""
     out = {}
     for name, layouts in baselines.LAYOUTS.items():
-        lays = (lay for lay in layouts(topo, model) if gpus is None or lay.gpus == gpus)
+        lays = (replace(lay, schedule=engine or lay.schedule) for lay in layouts(topo, model)
+                if gpus is None or lay.gpus == gpus)
         out[name] = best(topo, model, lays, window)
     return out
 
@@ -67,15 +75,20 @@ def decompose(topo: Topology, model: ModelSpec, atlas: Choice, others: dict[str,
     if top is None:
         return []
     name, base = top
+    engine = atlas.layout.schedule
 
     def fastest(**kw) -> Choice | None:
-        lays = atlas_layouts(topo, model, window, **kw)
+        lays = atlas_layouts(topo, model, window, engine=engine, **kw)
         return best(topo, model, (lay for lay in lays if gpus is None or lay.gpus == gpus), window)
 
+    same_engine = base if baselines.SCHEDULES[name] == engine else best(
+        topo, model, (replace(lay, schedule=engine) for lay in baselines.LAYOUTS[name](topo, model)
+                      if gpus is None or lay.gpus == gpus), window)
     placed = fastest(connections=1, split=SPLITS[name])
     one_conn = fastest(connections=1)
     conns = fastest()
     times = [(f"best baseline: {baselines.NAMES[name]}", base),
+             (f"+ engine ({ENGINE_NAMES[engine]}'s schedule)", same_engine),
              ("+ placement (ATLAS's stages per DC)", placed),
              ("+ layer split (by GPU speed)", one_conn), ("+ TCP connections", conns),
              (f"+ sharing ({atlas.layout.sharing}) = ATLAS", atlas)]

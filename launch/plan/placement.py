@@ -116,6 +116,11 @@ def fill_connections(topo: Topology, stage_dc: tuple[str, ...], tp: int, window:
 # opt-ins whose gain is a model's, unvalidated. The connection count needs no opt-in: the matrix measured
 # 8 connections 1.9-2.9x faster than one with 1 MiB transfers on a window-limited link.
 SHARINGS = ("spatial", "temporal", "auto")
+# The engine whose call order the planner ranks ATLAS's layouts by (launch.plan.deepspeed_schedule: the
+# model the calibration matrix checked against real runs): deepspeed-atlas launches DeepSpeed's pipeline
+# engine; "megatron" for a Megatron-LM script (launch.run.runtime.enable_megatron).
+ENGINES = ("deepspeed", "megatron")
+DEFAULT_ENGINE = "deepspeed"
 DEFAULT_SHARING = "spatial"
 UNVALIDATED = "unvalidated: the calibration matrix never measured temporal sharing paying"
 
@@ -156,9 +161,10 @@ def degrees(topo: Topology, model: ModelSpec, tps: list[int] | None = None) -> l
 
 
 def atlas_layouts(topo: Topology, model: ModelSpec, window: float, connections: int | None = None,
-                  split=None):
+                  split=None, engine: str = DEFAULT_ENGINE):
     """ATLAS's candidates: every (pp, tp, dp) the model section allows, every placement, layers in
-    proportion to the stages' GPU speed within their memory, connections chosen per placement.
+    proportion to the stages' GPU speed within their memory, connections chosen per placement, run by
+    ``engine``'s schedule (:data:`ENGINES`).
     ``split(layers, speeds, caps)``: another layer split rule (the decomposition's baseline splits)."""
     split = split or split_layers
     for pp, tp, dp in degrees(topo, model):
@@ -170,35 +176,41 @@ def atlas_layouts(topo: Topology, model: ModelSpec, window: float, connections: 
                 continue
             conns = connections or fill_connections(topo, stage_dc, tp, window)
             yield Layout(tp, tuple((d,) * dp for d in stage_dc), tuple(layers), conns, "spatial",
-                         atlas_runtime=True)
+                         atlas_runtime=True, schedule=engine)
 
 
 def choose(topo: Topology, model: ModelSpec, connections: int | None = None,
-           sharing: str = DEFAULT_SHARING, window: float = DEFAULT_WINDOW) -> Choice:
-    """ATLAS's layout: the simulator's fastest candidate (launch.plan.search), the number of connections
-    chosen with it unless fixed here, the sharing mode as ``sharing`` says (:data:`SHARINGS`)."""
+           sharing: str = DEFAULT_SHARING, window: float = DEFAULT_WINDOW,
+           engine: str = DEFAULT_ENGINE) -> Choice:
+    """ATLAS's layout: the simulator's fastest candidate (launch.plan.search) under ``engine``'s schedule,
+    the number of connections chosen with it unless fixed here, the sharing mode as ``sharing`` says
+    (:data:`SHARINGS`)."""
     sharings = sharing_modes(sharing)
+    values.choice(engine, "engine", ENGINES)
     if connections is not None:
         nccl_split(connections)  # the same limits as the launcher: 1..64 connections
     if model.dp and model.sequences % model.dp:
         raise ValueError(f"model.dp={model.dp}: global_batch/micro_batch = {model.sequences} sequences per "
                          "iteration must divide by dp")
-    found = best(topo, model, atlas_layouts(topo, model, window, connections), window, sharings)
+    found = best(topo, model, atlas_layouts(topo, model, window, connections, engine=engine), window,
+                 sharings)
     if found is None:
         raise ValueError(_infeasible(topo, model))
     return found
 
 
 def make_plan(topo: Topology, model: ModelSpec, connections: int | None = None,
-              sharing: str = DEFAULT_SHARING, window: float | None = None) -> Plan:
+              sharing: str = DEFAULT_SHARING, window: float | None = None,
+              engine: str = DEFAULT_ENGINE) -> Plan:
     """Search (pp, tp, dp), placement and connections; keep the simulator's fastest layout.
 
     ``connections`` fixes that choice (None: the planner picks it); ``sharing`` is one of :data:`SHARINGS`
     (spatial by default; "auto": the simulator picks, unvalidated); ``window`` is one
     TCP connection's window on WAN links without ``window_mb`` (default: Linux's default buffers,
-    launch.plan.socket_limits.DEFAULT_WINDOW) — never this machine's sysctls, which only produce warnings."""
+    launch.plan.socket_limits.DEFAULT_WINDOW) — never this machine's sysctls, which only produce warnings;
+    ``engine`` is the training engine whose schedule the layouts are ranked by (:data:`ENGINES`)."""
     window = DEFAULT_WINDOW if window is None else window
-    return plan_of(topo, model, choose(topo, model, connections, sharing, window), window)
+    return plan_of(topo, model, choose(topo, model, connections, sharing, window, engine), window)
 
 
 def layout_of(plan: Plan) -> Layout:

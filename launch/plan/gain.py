@@ -63,8 +63,9 @@ def compare(topo: Topology, model: ModelSpec, window: float, gpus: int | None = 
 
 
 def best_of(choices: dict[str, Choice | None]) -> tuple[str, Choice] | None:
-    known = [(c.key(), name, c) for name, c in choices.items() if c is not None]
-    return (min(known)[1], min(known)[2]) if known else None
+    """The fastest baseline; on a tie the first of :data:`launch.plan.baselines.LAYOUTS`."""
+    known = [(c.key(), i, name, c) for i, (name, c) in enumerate(choices.items()) if c is not None]
+    return min(known)[2:] if known else None
 
 
 def decompose(topo: Topology, model: ModelSpec, atlas: Choice, others: dict[str, Choice | None],

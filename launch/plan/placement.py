@@ -213,10 +213,11 @@ def make_plan(topo: Topology, model: ModelSpec, connections: int | None = None,
     return plan_of(topo, model, choose(topo, model, connections, sharing, window, engine), window)
 
 
-def layout_of(plan: Plan) -> Layout:
-    """A plan's layout, as the simulator takes it (launch.plan.estimate.build)."""
+def layout_of(plan: Plan, engine: str = DEFAULT_ENGINE) -> Layout:
+    """A plan's layout, as the simulator takes it (launch.plan.estimate.build), run by ``engine``'s
+    schedule (the one :func:`make_plan` ranked it by; DeepSpeed's by default)."""
     return Layout(plan.tp, tuple((d,) * plan.dp for d in plan.stage_dc), plan.stage_layers, plan.connections,
-                  plan.sharing, atlas_runtime=True)
+                  plan.sharing, atlas_runtime=True, schedule=engine)
 
 
 def plan_of(topo: Topology, model: ModelSpec, found: Choice, window: float) -> Plan:

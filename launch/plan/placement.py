@@ -10,8 +10,9 @@ order of the used DCs along the pipeline (link bandwidth and latency decide it w
 in proportion to each stage's GPU speed (``gpu_tflops``) within its memory; the number of TCP
 connections (:func:`fill_connections`) chosen with the layout, the sharing mode as :data:`SHARINGS` says
 (spatial unless asked: temporal sharing is unvalidated). Every candidate is ranked by the discrete-event
-simulator (:mod:`launch.plan.search`: branch and bound on a proven lower bound, so none that could win is
-skipped); the fastest iteration wins, fewer
+simulator running the engine's own call order (:data:`ENGINES`: DeepSpeed's by default, the executor the
+calibration checks against real runs; :mod:`launch.plan.search`: branch and bound on a proven lower
+bound, so none that could win is skipped); the fastest iteration wins, fewer
 GPUs on a tie. That choice is also how ATLAS "picks how many GPUs to use in each DC". Nothing here
 reads this machine's sysctls: a WAN connection's window is the topology's ``window_mb`` or Linux's
 default (launch.plan.socket_limits.DEFAULT_WINDOW); the launcher reports local TCP settings as warnings only.

@@ -1,6 +1,9 @@
 """A discrete-event what-if simulator of one pipeline-parallel iteration across data centers.
 
-What it models (atlas.md §1.5–1.6; the choices are ours where the paper's text was not available):
+``schedule="deepspeed"`` / ``"megatron"`` run the engines' own call order instead
+(launch.plan.deepspeed_schedule: what the planner ranks layouts by, checked against real runs); the
+idealised schedules here keep the design note's worked examples. What they model (atlas.md §1.5–1.6;
+the choices are ours where the paper's text was not available):
 
 - D data-parallel replicas of an S-stage pipeline; stage s of replica d (a "row": its tp GPUs run
   in lockstep) runs its schedule (1F1B or GPipe) over M micro-batches: ``F(s, m)`` takes

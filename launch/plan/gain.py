@@ -1,7 +1,7 @@
 """Where ATLAS's gain over the baselines comes from, on one topology, by the same simulator.
 
 The baselines (launch.plan.baselines) get the freedom of their own systems; ATLAS differs from the best
-of them in four mechanisms, added one at a time, each step the simulator's best layout with the
+of them in its engine and four mechanisms, added one at a time, each step the simulator's best layout with the
 mechanisms so far (the same branch-and-bound search, launch.plan.search):
 
     T0  the best baseline anywhere (its own placements, GPUs and layer split, 1 connection, spatial,
@@ -17,7 +17,7 @@ mechanisms so far (the same branch-and-bound search, launch.plan.search):
     T3  + connections: the TCP connections per WAN pair that fill the links (ATLAS's choice per layout)
     T4  + sharing: ATLAS's plan, with the sharing mode the planner was given: spatial by default, so
           this step is 1.00x (temporal sharing never paid in the calibration matrix and is chosen only
-          on request, ``--sharing temporal|auto``: then this step is the idealised model's, unvalidated)
+          on request, ``--sharing temporal|auto``: then this step is the model's, unvalidated)
 
 Each step's ratio is T(k−1)/T(k), so the product is T0/T4, ATLAS's gain over the best baseline. A step
 below 1.00x says the mechanism costs time there (a search that is not nested: a baseline placement that
@@ -50,14 +50,13 @@ class Step:
     ratio: float | None       # previous step's seconds / this one's
 
 
-def compare(topo: Topology, model: ModelSpec, window: float, gpus: int | None = None,
-            engine: str | None = None) -> dict[str, Choice | None]:
-    """Each baseline's fastest layout by simulation (None: it has none); ``gpus``: only layouts on
-    exactly that many GPUs; ``engine``: run by that schedule instead of the system's own."""
+def compare(topo: Topology, model: ModelSpec, window: float, gpus: int | None = None
+            ) -> dict[str, Choice | None]:
+    """Each baseline's fastest layout by simulation under its own engine's schedule (None: it has none);
+    ``gpus``: only layouts on exactly that many GPUs."""
     out = {}
     for name, layouts in baselines.LAYOUTS.items():
-        lays = (replace(lay, schedule=engine or lay.schedule) for lay in layouts(topo, model)
-                if gpus is None or lay.gpus == gpus)
+        lays = (lay for lay in layouts(topo, model) if gpus is None or lay.gpus == gpus)
         out[name] = best(topo, model, lays, window)
     return out
 

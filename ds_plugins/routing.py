@@ -82,7 +82,22 @@ def gating(gate: TopKGate, logits: torch.Tensor, used_token: torch.Tensor | None
     # and their gradient flows back through the cast to the gate in its own dtype.
     if gates.dtype in (torch.bfloat16, torch.float16):
         gates = gates.float()
-    return Routes(l_aux, int(capacity), indices, locations, gates, exp_counts)
+    return Routes(l_aux, _capacity(gate, capacity, logits.shape, cf), indices, locations, gates, exp_counts)
+
+
+_DROP_CAPACITY: dict[tuple, int] = {}
+
+
+def _capacity(gate: TopKGate, capacity: torch.Tensor, logits_shape, cf: float) -> int:
+    """The gate's capacity as an int. With token dropping DeepSpeed computes it from the shape, k, the
+    capacity factor and min_capacity alone (``_capacity``, a CPU tensor), so it is read once per such key
+    and remembered: a steady-state forward reads no tensor for it. Without dropping it is the routes'."""
+    if not gate.drop_tokens:
+        return int(capacity)
+    key = (gate.k, *logits_shape, cf, gate.min_capacity)
+    if key not in _DROP_CAPACITY:
+        _DROP_CAPACITY[key] = int(capacity)
+    return _DROP_CAPACITY[key]
 
 
 def _jittered(gate: TopKGate, x32: torch.Tensor, tokens: int, rows: slice) -> torch.Tensor:

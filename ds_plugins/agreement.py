@@ -25,6 +25,12 @@ A rank whose input is refused (ds_plugins.inputs) says so in the training flag's
 error-only round that carries the refusing rank's message over MP, then EP (:func:`relay`), and raises
 it. :func:`settings` agrees once, at set-up, on the layer's arguments (the schedule, the sizes) in the same
 two hops.
+
+Where the fill counts travel anyway (``skip_empty_slots``), each rank's S, flag and route hash ride on them
+as a header (:data:`HEADER`, :func:`check_headers`): a fixed-size exchange every rank issues whatever its
+shape, so a forward of S2 or "deepspeed" in drop mode needs no agreement of its own
+(ds_plugins.schedules.sync_free) and reads the host once, and a rank whose shape changed still meets its
+peers in that exchange and raises with them.
 """
 
 from __future__ import annotations

@@ -28,9 +28,10 @@ local expert j) holds tokens in its first
     rows[i, q, p', j] = clamp(fill_e - lo - i·c_r, 0, c_r)        (fill_e, lo: those of the block's source)
 
 slots. :class:`FillExchange` sends every source's fill - lo to the experts along the blocks' own path,
-an A2A over EP then an AG over ESP of E int32 (wire E·4·(p-1)/p + E·4·(s-1) bytes per rank, forward only:
-the backward reuses the rows), which holds for any group layout and for S1, whose MP ranks route
-different tokens. The experts then run on their F_j filled rows only; the empty slots of the returned
+an A2A over EP then an AG over ESP of E int32, each EP peer's with the sender's header (ds_plugins.agreement:
+W = (E + p·HEADER)·4 bytes, wire W·(p-1)/p + W·(s-1) per rank, forward only: the backward reuses the rows),
+which holds for any group layout and for S1, whose MP ranks route different tokens. It is the forward's one
+read of device data to the host (one copy, the headers in it). The experts then run on their F_j filled rows only; the empty slots of the returned
 buffer are zeros (combine never reads them; the reduce-scatter sums them). Without skipping, every slot
 counts as filled (:meth:`Rows.every`) and the experts see all E_l·r·s·p·c_r rows, as DeepSpeed's do.
 

@@ -12,14 +12,18 @@ V = E·C_buf·M. Wire volumes per rank (forward; the backward mirrors them, §2.
                (V₁ = E·C₁·M, C₁ ≈ C/N: the most routes one block of S/N tokens sends one expert)
 
 plus, with ``skip_empty_slots`` (the default), the fill counts that let the experts skip the empty slots
-(ds_plugins.overlap): A2A(ep) E·4·(p-1)/p and, in S1 and S2, AG(esp) E·4·(s-1) bytes, forward only.
-The experts then run on the F rows that hold a token instead of all of them (F ≤ k·S·p·s/E rows per
-expert where the slots number p·s·C_buf; "deepspeed" all-reduces F·M per expert, not C·p·M); the
-exchanges keep their fixed sizes.
+(ds_plugins.overlap), each EP peer's with this rank's header (ds_plugins.agreement.HEADER int32 words):
+A2A(ep) W·(p-1)/p and AG(esp) W·(s-1) bytes, W = (E + p·HEADER)·4, forward only. The experts then run on
+the F rows that hold a token instead of all of them (F ≤ k·S·p·s/E rows per expert where the slots number
+p·s·C_buf; "deepspeed" all-reduces F·M per expert, not C·p·M); the exchanges keep their fixed sizes.
 
-And the agreement on sizes (ds_plugins.agreement), forward only: every schedule agrees on S and the
-training flag before routing (AR(mp) of 4 int64, AR(ep) of 6), and where the capacity depends on the
-routes (no token dropping; always in S1) on it after routing (AR(mp) of 2 int64, AR(ep) of 3).
+And the agreement on sizes (ds_plugins.agreement), forward only: S and the training flag before routing
+(AR(mp) of 4 int64, AR(ep) of 6), except where the forward is sync-free (:func:`sync_free`: S2 and
+"deepspeed" in drop mode with the fill counts and ESP = MP or no MP), whose headers carry them; and where
+the capacity depends on the routes (no token dropping; always in S1) the capacity after routing (AR(mp) of
+2 int64, AR(ep) of 3). The headers are checked in every forward that sends them, the route hashes of S2 and
+"deepspeed" included: MP ranks that route differently raise on every rank instead of mixing their slices
+(S2) or all-reducing rows of different sizes ("deepspeed").
 
 Every schedule routes exactly as DeepSpeed's gate on all S tokens (ds_plugins.routing) and returns
 ``(output [S, M] replicated over MP, l_aux, exp_counts)``.

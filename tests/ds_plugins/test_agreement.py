@@ -67,9 +67,10 @@ def _divergent_routing(schedule: str) -> str:
 def _token_counts() -> dict:
     torch.manual_seed(1)
     big = 24 if dist.get_rank() // 2 == 0 else 20                   # MP group {0,1} vs {2,3}: EP peers differ
+    # S1 takes the token agreement (ds_plugins.agreement.tokens); the sync-free path: test_a_changed_shape
     errors = {"mp": _error(lambda: _layer("s1")(torch.randn(24 + tp_rank(), M))),
-              "ep drop": _error(lambda: _layer("s2")(torch.randn(big, M)))}
-    layer = _layer("s2")
+              "ep drop": _error(lambda: _layer("s1")(torch.randn(big, M)))}
+    layer = _layer("s1")
     layer.train(dist.get_rank() != 3)
     errors["train/eval"] = _error(lambda: layer(torch.randn(S, M)))
     return errors

@@ -123,13 +123,16 @@ def _check_counts(lo: int, hi: int, mp_differ: bool, modes_differ: bool, drop_to
 # The header (issue 23, item 4): HEADER int32 words every rank sends along its fill counts
 # (ds_plugins.overlap.FillExchange), the same words to each EP peer, which all-gathers what it received
 # over ESP:
-#     [S, training flag (0, 1, or _REFUSED), global rank, first global rank of its MP group, routes' hash]
+#     [S, training flag (0, 1, or _REFUSED), global rank, first global rank of its MP group, routes' hash,
+#      capacity]
 # After the A2A over EP and the AG over ESP = MP, rank r holds the headers of the EP groups of its MP
 # peers: in DeepSpeed's layouts that is every rank of the layer (the MP groups its EP groups meet, the
 # set the two-hop :func:`spread` covers), so every rank reaches the same verdict from the same words,
 # before any collective whose size depends on them. Where ESP = 1 < MP the AG is missing and a rank sees
 # its EP group's headers only: there :func:`tokens` agrees first (ds_plugins.schedules.sync_free).
-HEADER = 5
+# The capacity word makes S1's capacity agreement (:func:`capacity`) unnecessary where the headers reach
+# every rank: the layer's capacity is the largest of them (ds_plugins.schedules.s1).
+HEADER = 6
 _PRIME = 2**31 - 1
 
 
@@ -144,10 +147,11 @@ def route_hash(indices: torch.Tensor, locations: torch.Tensor) -> torch.Tensor:
 
 
 def header(num_tokens: int, training: bool, error: str | None, hashed: torch.Tensor | None, g: ParmGroups,
-           device: torch.device) -> torch.Tensor:
-    """This rank's header, [HEADER] int32 on ``device``, built with scalar fills (kernel launches, no
-    host-to-device copy that would wait for the stream). ``hashed``: :func:`route_hash` of routes the MP
-    ranks must share (S2, "deepspeed"), or None (S1, whose MP ranks route different tokens)."""
+           device: torch.device, capacity: int | torch.Tensor = 0) -> torch.Tensor:
+    """This rank's header, [HEADER] int32 on ``device``, built with scalar fills and device copies (kernel
+    launches, no host-to-device copy that would wait for the stream). ``hashed``: :func:`route_hash` of
+    routes the MP ranks must share (S2, "deepspeed"), or None (S1, whose MP ranks route different tokens);
+    ``capacity``: this rank's (an int, or S1's 0-d device tensor)."""
     rank = dist.get_rank()
     head = torch.zeros(HEADER, dtype=torch.int32, device=device)
     head[0] = num_tokens
@@ -155,16 +159,18 @@ def header(num_tokens: int, training: bool, error: str | None, hashed: torch.Ten
     head[2] = rank
     head[3] = rank if g.mp is None else comm.global_rank(g.mp, 0)
     if hashed is not None:
-        head[4:] = hashed
+        head[4:5] = hashed
+    head[5:] = capacity.reshape(1) if isinstance(capacity, torch.Tensor) else capacity
     return head
 
 
 def check_headers(heads: Sequence[Sequence[int]], g: ParmGroups, drop_tokens: bool,
-                  error: str | None = None) -> None:
+                  error: str | None = None) -> int:
     """Raise on every rank that holds the same ``heads`` (the :data:`HEADER` words of the ranks it saw,
-    host ints) what :func:`tokens` raises, and a RuntimeError when two MP ranks of one group hashed
-    different routes (they would exchange buffers of different sizes: "deepspeed"'s all-reduce of the
-    filled rows inside the experts aborts gloo). Collective only when a rank refused (:func:`relay`)."""
+    host ints) what :func:`tokens` and :func:`capacity` raise, and a RuntimeError when two MP ranks of one
+    group hashed different routes (they would exchange buffers of different sizes: "deepspeed"'s
+    all-reduce of the filled rows inside the experts aborts gloo). Returns the largest capacity.
+    Collective only when a rank refused (:func:`relay`)."""
     seen = {h[2]: h for h in heads}                                  # by global rank, each once
     if any(h[1] == _REFUSED for h in seen.values()):
         raise ValueError(relay(error, (g.mp, g.ep)) or error)
@@ -174,12 +180,19 @@ def check_headers(heads: Sequence[Sequence[int]], g: ParmGroups, drop_tokens: bo
     counts = [h[0] for h in seen.values()]
     _check_counts(min(counts), max(counts), any(len({h[0] for h in hs}) > 1 for hs in by_mp.values()),
                   len({h[1] for h in seen.values()}) > 1, drop_tokens)
+    capacities = [h[5] for h in seen.values()]
+    if any(len({h[5] for h in hs}) > 1 for hs in by_mp.values()):
+        _routing_differs(f"capacities between {min(capacities)} and {max(capacities)}")
     split = sorted(r for hs in by_mp.values() if len({h[4] for h in hs}) > 1 for r in (h[2] for h in hs))
     if split:
-        raise RuntimeError("parm MoE: routing differs across the tensor-parallel (MP) ranks of this layer "
-                           f"(ranks {split}: their routes hash differently): give every MP rank the same "
-                           "input and gate weights and seed their RNGs identically before the MoE layer "
-                           "(the gate draws random numbers)")
+        _routing_differs(f"ranks {split}: their routes hash differently")
+    return max(capacities)
+
+
+def _routing_differs(why: str) -> None:
+    raise RuntimeError("parm MoE: routing differs across the tensor-parallel (MP) ranks of this layer "
+                       f"({why}): give every MP rank the same input and gate weights and seed their RNGs "
+                       "identically before the MoE layer (the gate draws random numbers)")
 
 
 def capacity(local: int, g: ParmGroups, device: torch.device) -> int:
@@ -188,10 +201,7 @@ def capacity(local: int, g: ParmGroups, device: torch.device) -> int:
     rank of the layer (instead of hanging in an exchange of mismatched sizes)."""
     s = spread([local], g, device)
     if s.mp[0]:
-        raise RuntimeError(f"parm MoE: routing differs across the tensor-parallel (MP) ranks of this layer "
-                           f"(capacities between {s.lo[0]} and {s.hi[0]}): give every MP rank the same input "
-                           "and seed their RNGs identically before the MoE layer (the gate draws random "
-                           "numbers)")
+        _routing_differs(f"capacities between {s.lo[0]} and {s.hi[0]}")
     return s.hi[0]
 
 

@@ -31,9 +31,10 @@ slots. :class:`FillExchange` sends every source's fill - lo to the experts along
 an A2A over EP then an AG over ESP of E int32, each EP peer's with the sender's header (ds_plugins.agreement:
 W = (E + p·HEADER)·4 bytes, wire W·(p-1)/p + W·(s-1) per rank, forward only: the backward reuses the rows),
 which holds for any group layout and for S1, whose MP ranks route different tokens. It is the forward's one
-read of device data to the host (one copy, the headers in it). The experts then run on their F_j filled rows only; the empty slots of the returned
-buffer are zeros (combine never reads them; the reduce-scatter sums them). Without skipping, every slot
-counts as filled (:meth:`Rows.every`) and the experts see all E_l·r·s·p·c_r rows, as DeepSpeed's do.
+read of device data to the host (one copy, the headers in it). The experts then run on their F_j filled
+rows only; the empty slots of the returned buffer are zeros (combine never reads them; the reduce-scatter
+sums them). Without skipping, every slot counts as filled (:meth:`Rows.every`) and the experts see all
+E_l·r·s·p·c_r rows, as DeepSpeed's do.
 
 The two exchanges are each other's autograd dual: the backward of to_experts is from_experts (A2A <-> A2A,
 AG <-> RS, keeping the filled rows <-> putting them back with zeros, and the S2 split's AG over MP), the
@@ -85,7 +86,7 @@ class Rows:
         per = [[sum(counts[i][q][b][j] for q in range(s) for b in range(p)) for j in range(e_l)]
                for i in range(r)]
         c = torch.tensor(counts, dtype=torch.int64).view(r, s, p, e_l)
-        filled = torch.arange(chunk_slots) < c.permute(0, 3, 1, 2).unsqueeze(-1)          # [r, E_l, s, p, c_r]
+        filled = torch.arange(chunk_slots) < c.permute(0, 3, 1, 2).unsqueeze(-1)        # [r, E_l, s, p, c_r]
         rows = torch.arange(s * p * e_l * chunk_slots).view(s, p, e_l, chunk_slots).permute(2, 0, 1, 3)
         pieces = _to_device(rows.expand(r, *rows.shape)[filled], device).split([n for i in per for n in i])
         self.index = [pieces[i * e_l: (i + 1) * e_l] for i in range(r)]

@@ -21,9 +21,10 @@ And the agreement on sizes (ds_plugins.agreement), forward only: S and the train
 (AR(mp) of 4 int64, AR(ep) of 6), except where the forward is sync-free (:func:`sync_free`: S2 and
 "deepspeed" in drop mode with the fill counts and ESP = MP or no MP), whose headers carry them; and where
 the capacity depends on the routes (no token dropping; always in S1) the capacity after routing (AR(mp) of
-2 int64, AR(ep) of 3). The headers are checked in every forward that sends them, the route hashes of S2 and
-"deepspeed" included: MP ranks that route differently raise on every rank instead of mixing their slices
-(S2) or all-reducing rows of different sizes ("deepspeed").
+2 int64, AR(ep) of 3), except in S1 with the fill counts and ESP = MP or no MP, whose headers carry it.
+The headers are checked in every forward that sends them, the route hashes of S2 and "deepspeed" included:
+MP ranks that route differently raise on every rank instead of mixing their slices (S2) or all-reducing
+rows of different sizes ("deepspeed").
 
 Every schedule routes exactly as DeepSpeed's gate on all S tokens (ds_plugins.routing) and returns
 ``(output [S, M] replicated over MP, l_aux, exp_counts)``.
@@ -53,31 +54,37 @@ def _layout(layer, capacity: int, mp_split: bool) -> overlap.Layout:
     return overlap.Layout(g, layer.num_experts, chunks, c_buf // (n * chunks), mp_split)
 
 
-def _expert_pass(layer, x: torch.Tensor, r: routing.Routes, lay: overlap.Layout, run=None, *,
-                 tokens: int | None = None, gather=None, shared_routes: bool = False) -> torch.Tensor:
+def _expert_pass(layer, x: torch.Tensor, r: routing.Routes, lay, run=None, *, tokens: int | None = None,
+                 gather=None, shared_routes: bool = False, capacity: torch.Tensor | None = None):
     """dispatch -> exchange to the experts -> the experts on their filled rows -> exchange back -> combine.
 
-    ``run(xs)`` computes the local experts' partial sums (default: ESP-sharded, no all-reduce inside).
-    With ``skip_empty_slots`` the fill counts travel with this rank's header (``tokens``, default S of
-    ``x``; the route hash when ``shared_routes``), gathered over ``gather`` (default the layout's ESP), and
-    the headers are checked before the first exchange whose size depends on them.
+    ``lay``: the overlap.Layout, or (S1 with ``capacity``, this rank's 0-d device tensor) a function of the
+    layer's capacity, which the headers carry. ``run(xs)`` computes the local experts' partial sums
+    (default: ESP-sharded, no all-reduce inside). With ``skip_empty_slots`` the fill counts travel with
+    this rank's header (``tokens``, default S of ``x``; the route hash when ``shared_routes``), gathered
+    over ``gather`` (default the layout's ESP, that of the layer's groups), and the headers are checked
+    before the first exchange whose size depends on them.
     """
     e, s = layer.num_experts, layer.parm_groups.esp_size
-    g = lay.groups
+    g = lay.groups if capacity is None else layer.parm_groups
     fills = None
     if layer.skip_empty_slots:
-        lo = g.mp_rank * lay.chunks * lay.chunk_slots if lay.mp_split else 0
+        lo = g.mp_rank * lay.chunks * lay.chunk_slots if capacity is None and lay.mp_split else 0
         hashed = agreement.route_hash(r.indices, r.locations) if shared_routes else None
         head = agreement.header(x.shape[0] if tokens is None else tokens, layer.gate.training, None, hashed,
-                                g, x.device)
+                                g, x.device, lay.capacity if capacity is None else capacity)
         fills = overlap.FillExchange(routing.fill(r, e) - lo, head, g,                     # A2A(ep)
                                      g.esp if gather is None else gather)
-    buf = dispatch(x, r.indices, r.locations, e, lay.capacity)                    # [E, C_buf, M]
+    if capacity is None:                  # dispatch overlaps the fill counts' all-to-all
+        buf = dispatch(x, r.indices, r.locations, e, lay.capacity)                # [E, C_buf, M]
     if fills is None:
         rows = overlap.Rows.every(lay, x.device)
     else:
         heads, counts = fills.read()                                              # AG(esp) of E int32
-        agreement.check_headers(heads, layer.parm_groups, layer.gate.drop_tokens)
+        agreed = agreement.check_headers(heads, layer.parm_groups, layer.gate.drop_tokens)
+        if capacity is not None:
+            lay = lay(agreed)
+            buf = dispatch(x, r.indices, r.locations, e, lay.capacity)
         rows = fills.rows(counts, lay)
     with moe_timers.timed(layer.deepspeed_moe, FIRST_ALLTOALL_TIMER):
         hs = overlap.to_experts(buf, lay, rows)                                   # E_l x [F_j, M]
@@ -85,6 +92,12 @@ def _expert_pass(layer, x: torch.Tensor, r: routing.Routes, lay: overlap.Layout,
     with moe_timers.timed(layer.deepspeed_moe, SECOND_ALLTOALL_TIMER):
         out = overlap.from_experts(ys, lay, rows)                                 # [E, C_buf, M]
     return combine(out, r.indices, r.locations, r.gates)
+
+
+def _full_view(g) -> bool:
+    """The fill exchange's headers reach every rank of the layer: it all-gathers over ESP = MP, or there is
+    no MP (ds_plugins.agreement, HEADER)."""
+    return g.mp is None or g.esp is not None
 
 
 def sync_free(layer) -> bool:
@@ -102,8 +115,7 @@ def sync_free(layer) -> bool:
     """
     g = layer.parm_groups
     options = selector.candidates(g) if layer.schedule == "auto" else (layer.schedule,)
-    return (layer.skip_empty_slots and layer.gate.drop_tokens and "s1" not in options
-            and (g.mp is None or g.esp is not None))
+    return layer.skip_empty_slots and layer.gate.drop_tokens and "s1" not in options and _full_view(g)
 
 
 def refuse(layer, error: str) -> None:
@@ -153,9 +165,14 @@ def s1(layer, x: torch.Tensor, used_token: torch.Tensor | None):
     """S1 (§2.3): MP off before the gate (token split), on after combine (AG over MP)."""
     g, tokens = layer.parm_groups, x.shape[0]
     x_l = collectives.split_rows(x, g.mp)                                        # 0: S -> S/N tokens
-    r, mine = routing.route_shard(layer.gate, x_l, tokens, used_token, g.mp, g.mp_rank, g.mp_size)
-    c = agreement.capacity(mine, g, x.device)                                    # 1: GEMM on S/N, gating on S
-    out_l = _expert_pass(layer, x_l, r, _layout(layer, c, mp_split=False), tokens=tokens)    # 2-7
+    r, most = routing.route_shard(layer.gate, x_l, tokens, used_token, g.mp, g.mp_rank, g.mp_size)
+    if layer.skip_empty_slots and _full_view(g):                                 # 1: GEMM on S/N, gating on S
+        # the capacity rides on the fill counts' headers (sent from slot 0: no layout needed before)
+        out_l = _expert_pass(layer, x_l, r, lambda c: _layout(layer, c, mp_split=False), tokens=tokens,
+                             capacity=most)                                      # 2-7
+    else:
+        c = agreement.capacity(int(most), g, x.device)
+        out_l = _expert_pass(layer, x_l, r, _layout(layer, c, mp_split=False), tokens=tokens)
     return collectives.gather_rows(out_l, g.mp, tokens), r.l_aux, r.exp_counts   # 8: AG(mp), S·M
 
 

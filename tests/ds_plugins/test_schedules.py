@@ -241,7 +241,8 @@ def _formula(schedule: str, tp: int, ep: int, shard: bool, tokens: int, k: int, 
     c = _capacity(k, cf, tokens)
     if schedule == "s1":
         mine = math.ceil(tokens / n)
-        agree(1)                                                      # S1's capacity
+        if not (skip and (n == 1 or shard)):                          # else on the headers
+            agree(1)                                                  # S1's capacity
         v1 = E * _pad(c1, min(chunks, c1)) * M * b                    # V₁: the buffer of S/N tokens
         add("all_to_all@ep", 4 * (v1 - v1 // p))                      # A2A fwd x2, bwd x2
         add("all_gather@esp", 2 * v1 * (s - 1))                       # AG fwd, RS's dual bwd

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from commweave import cost
 from commweave.ledger import recording
 from ds_plugins import ParmMoE, cost_model, selector
 from tests.ds_plugins.deepspeed_oracle import mlp, use_layout
@@ -95,3 +96,17 @@ def test_auto_decides_from_the_agreed_token_count_on_the_layers_groups(world):
         assert r["choice"] == res[0]["choice"] and r["decided"] == [200]
         assert set(r["groups"]) <= {"mp", "esp", "ep"}, r["groups"]
         assert r["rng kept"] and r["same output"]
+
+
+def test_relative_fit_keeps_small_calls_and_large_ones():
+    """The micro-benchmark's sizes span 64 B to 8 MiB: exact α + β·n comes back, and 10% noise on the
+    largest point moves α by far less than an ordinary least-squares intercept does (which it sets)."""
+    sizes = [64, 16e3, 128e3, 1e6, 8e6]
+    alpha, beta = 300e-6, 1.5e-9
+    exact = [alpha + beta * n for n in sizes]
+    got = selector.fit_relative(sizes, exact)
+    assert got.alpha == pytest.approx(alpha, rel=1e-9) and got.beta == pytest.approx(beta, rel=1e-9)
+    noisy = exact[:-1] + [exact[-1] * 1.1]
+    rel, ols = selector.fit_relative(sizes, noisy), cost.fit(sizes, noisy).model
+    assert abs(rel.alpha - alpha) < 0.05 * alpha < abs(ols.alpha - alpha)
+    assert selector.fit_relative(sizes, [1e-3] * 5) == cost.AlphaBeta(1e-3, 0.0)   # flat: no slope

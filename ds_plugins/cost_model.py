@@ -180,6 +180,17 @@ def _exchanges(costs: OpCosts, sh: LayerShape, v: float, chunks: int, mp_split: 
     return 2 * (to + back + copies)
 
 
+def exchange_pass(costs: OpCosts, sh: LayerShape, v: float, mp_split: bool) -> float:
+    """One to_experts + from_experts pass (forward only) of a buffer of v bytes in ``sh.chunks`` chunks."""
+    return _exchanges(costs, sh, v, sh.chunks, mp_split) / 2
+
+
+def exchange_calls(sh: LayerShape, mp_split: bool) -> int:
+    """Collective calls of that pass: per chunk A2A twice over EP, AG and RS over ESP, AG over MP (S2)."""
+    per_chunk = 2 * (sh.ep > 1) + 2 * (sh.esp > 1) + (mp_split and sh.mp > 1)
+    return sh.chunks * per_chunk
+
+
 def predict(schedule: str, sh: LayerShape, costs: OpCosts) -> Breakdown:
     b, m, e, n, p, s = sh.elem_bytes, sh.hidden, sh.experts, sh.mp, sh.ep, sh.esp
     out = Breakdown()

@@ -1,6 +1,8 @@
 """Parm across the configuration space: DeepSpeed's MoE, every Parm schedule and "auto" over many layers.
 
-    python -m benchmarks.moe_sweep              # 54 cells, about an hour on 2 cores
+    python -m benchmarks.moe_sweep              # 54 cells, about 15 minutes on 2 cores
+    python -m benchmarks.moe_sweep --picks-only [--cost-cache F]   # auto's picks alone, untimed
+    python -m benchmarks.moe_sweep --compare RUN1.json RUN2.json   # two runs' fits side by side
     python -m benchmarks.moe_sweep --quick      # 3 cells, one per layout (the CI smoke test)
 
 The paper swept 1,296 layer configurations; this is a fractional design scaled to 4 CPU ranks (fp32,

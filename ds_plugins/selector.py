@@ -5,13 +5,16 @@ different schedules (which would deadlock) and no forward issues a collective ou
 (under pipeline parallelism the other stages are busy with other layers):
 
 - the fitted costs: when the layer is set up (``set_deepspeed_parallelism``, which ``deepspeed.initialize``
-  and ``ds_plugins.initialize`` call), every rank of the layer runs a short micro-benchmark (about a
-  second): each collective the schedules use, on the layer's own process groups, at a few sizes
-  (FSMoE §6.2: fp32 buffers, the fastest of a few runs, least-squares α and β); two collectives on different
-  groups at once, for the overlap inefficiency γ; a GEMM, a copy and dispatch + combine forward and
-  backward (called directly, without autograd), for the local work. The parameters are then MAX-reduced
-  over the layer's MP and EP groups (the slowest rank sets a layer's pace; MAX is exact, so every rank
-  holds bit-identical numbers), cached in this process per layout and, when ``cost_cache`` names a file,
+  and ``ds_plugins.initialize`` call), every rank of the layer runs a short micro-benchmark (a few
+  seconds on CPU): each collective the schedules use, on the layer's own process groups, from 64 B to
+  8 MiB (FSMoE §6.2: fp32 buffers, α and β by least squares); two collectives on different groups at once,
+  for the overlap inefficiency γ; a GEMM, a copy and dispatch + combine forward and backward (called
+  directly, without autograd), for the local work; one pass of the schedules' own chunked exchange code
+  on a tiny buffer, for the per-call overhead δ that the lined-up collectives miss. Each rank keeps the
+  median of 5 runs per point, the ranks agree on the median of those over the layer's MP and EP groups,
+  and only the agreed times are fitted (relative-error least squares, :func:`fit_relative`), so every
+  rank holds bit-identical numbers; they are MAX-reduced over the same groups (a no-op on fitted numbers,
+  the agreement for read ones), cached in this process per layout and, when ``cost_cache`` names a file,
   in that JSON file (ds_plugins.cost_cache: every rank reads it, and their outcomes are agreed before any
   is used; a bad or uneven file is one warning on every rank, then the costs are measured);
 - the layer shape: the token count agreed by ds_plugins.agreement (never the local count alone), and the

@@ -33,7 +33,12 @@ def _auto(cache_file: str):
     selector._fitted.clear()
     with recording() as led:
         reloaded = selector._to_tensor(selector.fitted_costs(layer.parm_groups, cache_file)).tolist()
-    return {"choice": first, "again": layer.last_schedule, "decisions": len(selector.decisions()),
+    with recording() as passed:                   # the per-call overhead's pass: its calls as modelled
+        shape, _ = selector._Bench(layer.parm_groups, x.device).exchange()
+    lineups = 2 * selector.REPEATS               # an all-reduce over MP and over EP before each run
+    calls = sum(v["calls"] for v in passed.as_dict().values()) - lineups
+    return {"pass_calls": calls / selector.REPEATS, "modelled_calls": cost_model.exchange_calls(shape, True),
+            "choice": first, "again": layer.last_schedule, "decisions": len(selector.decisions()),
             "fitted": fitted, "reloaded": reloaded, "reload_traffic": led.as_dict(),
             "file": os.path.exists(cache_file)}
 
@@ -55,6 +60,7 @@ def test_auto_fits_once_agrees_on_every_rank_and_caches(world, tmp_path):
             "all_gather@ep": {"calls": 1, "sent": 67 * 8, "received": 67 * 8},
             "all_reduce@mp": reduced, "all_reduce@ep": reduced}
         assert r["file"]
+        assert r["pass_calls"] == r["modelled_calls"] == 4 * 5   # A2A twice, AG and RS over ESP, AG over MP
     costs = selector._from_tensor(torch.tensor(res[0]["fitted"], dtype=torch.float64))
     for op in ("a2a@ep", "ag@esp", "rs@esp", "ag@mp", "gemm", "mem"):
         assert costs.ops[op].beta > 0, op

@@ -3,6 +3,7 @@
     python -m benchmarks.moe_sweep              # 54 cells, about 15 minutes on 2 cores
     python -m benchmarks.moe_sweep --picks-only [--cost-cache F]   # auto's picks alone, untimed
     python -m benchmarks.moe_sweep --compare RUN1.json RUN2.json   # two runs' fits side by side
+    python -m benchmarks.moe_sweep --rescore FITS.json TIMED.json  # one run's costs, another's times
     python -m benchmarks.moe_sweep --quick      # 3 cells, one per layout (the CI smoke test)
 
 The paper swept 1,296 layer configurations; this is a fractional design scaled to 4 CPU ranks (fp32,
@@ -308,10 +309,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--picks-only", action="store_true", help="auto's picks and predictions, no timing")
     p.add_argument("--compare", nargs=2, metavar="JSON", help="two runs' --json files: fitted costs, "
                    "predictions and picks side by side (benchmarks.moe_sweep_stability)")
+    p.add_argument("--rescore", nargs=2, metavar=("FITS", "TIMED"), help="the picks run FITS's fitted costs "
+                   "make on run TIMED's cells, scored on TIMED's step times")
     args = p.parse_args(argv)
     configs = quick_cells() if args.quick else cells()
     if args.compare:
         moe_sweep_stability.compare(*args.compare)
+    elif args.rescore:
+        moe_sweep_stability.rescore(*args.rescore)
     elif args.picks_only:
         out = picks(configs, args.cost_cache)
         if args.json:

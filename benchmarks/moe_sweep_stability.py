@@ -13,6 +13,7 @@ machine load, and the ratios show how far the fit moves with the load.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 
 from ds_plugins import cost_model
@@ -83,3 +84,35 @@ def compare(first: str, second: str) -> dict:
            "predicted_ratio": {s: [min(r), statistics.median(r), max(r)] for s, r in pred.items()}}
     print(json.dumps(out))
     return out
+
+
+def rescore(fits: str, measured: str) -> dict:
+    """The picks that the fitted costs of run ``fits`` (a sweep's or --picks-only JSON) make for the cells
+    of the timed run ``measured``, judged on ``measured``'s step times by the sweep's own rule (paired
+    regret against its fastest schedule, a hit within ``TIE``): costs from one run, times from another."""
+    import torch
+
+    from benchmarks import moe_layer, moe_sweep
+    from ds_plugins import selector
+
+    fitted = _fitted(_cells(fits)[1])
+    with open(measured) as f:
+        cells = json.load(f)["cells"]
+    # the layout key (ds_plugins.selector.layout_key, "world4-mp2-esp2-ep2-gloo") by (tp, ep)
+    layout = {tuple(int(re.search(f"-{g}(\\d+)-", key).group(1)) for g in ("mp", "ep")): key
+              for key in fitted}
+    regrets = []
+    for c in cells:
+        cfg = moe_layer.Config(**c["config"])
+        costs = selector._from_tensor(torch.tensor(fitted[layout[(cfg.tp, cfg.ep)]], dtype=torch.float64))
+        options = moe_sweep.SCHEDULES if cfg.tp > 1 else ("deepspeed", "s2")
+        t = {s: cost_model.predict(s, moe_layer._layer_shape(cfg), costs).total for s in options}
+        pick, best, raw = min(t, key=t.get), c["best"], c["raw"]
+        ms = {s: raw.get(f"parm {s}", raw["parm s2"]) for s in options}
+        regrets.append(moe_sweep._paired(ms[pick], ms[best]) - 1 if pick != best else 0.0)
+    hits = sum(r <= moe_sweep.TIE for r in regrets)
+    print(f"costs of {fits} on the times of {measured}: within {moe_sweep.TIE:.0%} in {hits}/{len(cells)}, "
+          f"within 10% in {sum(r <= 0.10 for r in regrets)}, regret mean {statistics.mean(regrets):.1%}, "
+          f"worst {max(regrets):.1%}")
+    return {"hits": hits, "cells": len(cells), "mean_regret": statistics.mean(regrets)}
+

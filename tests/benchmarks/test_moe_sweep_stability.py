@@ -34,3 +34,25 @@ def test_compare_reports_ratios_and_picks(tmp_path, capsys):
     assert out["predicted_ratio"] == {"deepspeed": pytest.approx([2.0] * 3), "s1": pytest.approx([2.0] * 3)}
     text = capsys.readouterr().out
     assert "load 3.0 -> 4.0" in text and "untimed" in text and "s1 -> deepspeed" in text
+
+
+def test_rescore_judges_one_runs_picks_on_another_runs_times(tmp_path, capsys):
+    import torch
+
+    from benchmarks import moe_layer
+    from ds_plugins import cost_model, selector
+
+    fitted = [1e-3, 2e-9] * ((cost_cache.width() - 1) // 2) + [1.0]
+    costs = selector._from_tensor(torch.tensor(fitted, dtype=torch.float64))
+    shape = moe_layer._layer_shape(moe_layer.Config(**_config(256)))
+    t = {s: cost_model.predict(s, shape, costs).total for s in ("deepspeed", "s1", "s2")}
+    pick = min(t, key=t.get)
+    fits = tmp_path / "fits.json"
+    fits.write_text(json.dumps({"picks": [{"config": _config(256), "schedule": pick, "predicted_ms": {},
+                                           "fitted": {KEY: fitted}}]}))
+    for slower, hits in ((1.0, 1), (1.2, 0)):   # the pick as fast as the others, then 20% slower
+        raw = {f"parm {s}": [10.0 * (slower if s == pick else 1.0)] * 3 for s in ("deepspeed", "s1", "s2")}
+        best = min(raw, key=lambda r: raw[r][0]).removeprefix("parm ") if slower > 1 else pick
+        timed = tmp_path / "timed.json"
+        timed.write_text(json.dumps({"cells": [{"config": _config(256), "best": best, "raw": raw}]}))
+        assert stability.rescore(str(fits), str(timed))["hits"] == hits

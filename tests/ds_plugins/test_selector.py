@@ -112,7 +112,7 @@ def test_relative_fit_keeps_small_calls_and_large_ones():
     exact = [alpha + beta * n for n in sizes]
     got = selector.fit_relative(sizes, exact)
     assert got.alpha == pytest.approx(alpha, rel=1e-9) and got.beta == pytest.approx(beta, rel=1e-9)
-    noisy = exact[:-1] + [exact[-1] * 1.1]
+    noisy = [*exact[:-1], exact[-1] * 1.1]
     rel, ols = selector.fit_relative(sizes, noisy), cost.fit(sizes, noisy).model
     assert abs(rel.alpha - alpha) < 0.05 * alpha < abs(ols.alpha - alpha)
     assert selector.fit_relative(sizes, [1e-3] * 5) == cost.AlphaBeta(1e-3, 0.0)   # flat: no slope

@@ -94,7 +94,8 @@ class _TensorParallelMLP(nn.Module):
         return reduce_from_tensor_model_parallel_region(F.linear(h, self.fc2.weight), group) + self.fc2.bias
 
 
-def _layer(row: str, cfg: Config):
+def _layer(row: str, cfg: Config, cost_cache: str | None = None):
+    """The row's layer; ``cost_cache`` goes to ParmMoE (the "auto" selector's fitted costs file)."""
     from deepspeed.moe.layer import MoE
 
     from ds_plugins import ParmMoE
@@ -109,7 +110,7 @@ def _layer(row: str, cfg: Config):
         expert = nn.Sequential(nn.Linear(cfg.hidden, cfg.ffn), nn.GELU(), nn.Linear(cfg.ffn, cfg.hidden))
         skip = not row.endswith(ALL_SLOTS)
         layer = ParmMoE(cfg.hidden, expert, schedule=row.removesuffix(ALL_SLOTS).split()[-1],
-                        overlap_chunks=cfg.chunks, skip_empty_slots=skip, **kw)
+                        overlap_chunks=cfg.chunks, skip_empty_slots=skip, cost_cache=cost_cache, **kw)
     layer.set_deepspeed_parallelism()
     if cfg.ep > 1:
         comm.set_group_name(layer.deepspeed_moe.ep_group, "ep")  # DeepSpeed's own group, as ParmMoE names it

@@ -36,9 +36,13 @@ S1 gates the whole batch (ds_plugins.routing): the gate GEMM on its S/N tokens, 
 logits [S, E], the gating's element-wise work on all S tokens; its buffer holds the most routes one block
 of S/N tokens sends one expert, min(k·S/E, C)/N in the balanced case.
 
-Every schedule agrees on the token count before routing, and S1 (always) and the others (without token
-dropping) on the capacity after it (ds_plugins.agreement): tiny all-reduces over MP and EP, charged as
-their α (the EP one as an A2A of the same bytes, its latency class), in the part "agree".
+The agreements on sizes (ds_plugins.agreement) are predicted as "auto" runs the schedules in drop mode
+with the fill counts (ds_plugins.schedules.sync_free): with MP, "auto" may run S1, so every schedule
+agrees on the token count before routing (tiny all-reduces over MP and EP, charged as their α, the EP one
+as an A2A of the same bytes, its latency class; the part "agree") and the capacity travels with the fill
+counts' headers; without MP its candidates, the deepspeed order and S2, carry the token count there too
+and agree on nothing else. The fill exchange (E + p·6 int32 per rank) is an A2A over EP and, in every
+schedule with ESP, an AG over ESP.
 """
 
 from __future__ import annotations
@@ -160,11 +164,12 @@ def _experts(costs: OpCosts, sh: LayerShape, rows: float) -> float:
 
 
 def _fills(costs: OpCosts, sh: LayerShape) -> float:
-    """The forward exchange of the fill counts, E int32 (S1, S2 with skipping)."""
+    """The forward exchange of the fill counts with the headers, (E + p·6) int32 (with skipping)."""
     if not sh.skip_empty_slots:
         return 0.0
-    return (costs("a2a@ep", 4 * sh.experts) if sh.ep > 1 else 0.0) + \
-        (costs("ag@esp", 4 * sh.experts * sh.esp) if sh.esp > 1 else 0.0)
+    words = 4 * (sh.experts + sh.ep * 6)
+    return (costs("a2a@ep", words) if sh.ep > 1 else 0.0) + \
+        (costs("ag@esp", words * sh.esp) if sh.esp > 1 else 0.0)
 
 
 def _exchanges(costs: OpCosts, sh: LayerShape, v: float, chunks: int, mp_split: bool) -> float:
@@ -180,6 +185,17 @@ def _exchanges(costs: OpCosts, sh: LayerShape, v: float, chunks: int, mp_split: 
     return 2 * (to + back + copies)
 
 
+def exchange_pass(costs: OpCosts, sh: LayerShape, v: float, mp_split: bool) -> float:
+    """One to_experts + from_experts pass (forward only) of a buffer of v bytes in ``sh.chunks`` chunks."""
+    return _exchanges(costs, sh, v, sh.chunks, mp_split) / 2
+
+
+def exchange_calls(sh: LayerShape, mp_split: bool) -> int:
+    """Collective calls of that pass: per chunk A2A twice over EP, AG and RS over ESP, AG over MP (S2)."""
+    per_chunk = 2 * (sh.ep > 1) + 2 * (sh.esp > 1) + (mp_split and sh.mp > 1)
+    return sh.chunks * per_chunk
+
+
 def predict(schedule: str, sh: LayerShape, costs: OpCosts) -> Breakdown:
     b, m, e, n, p, s = sh.elem_bytes, sh.hidden, sh.experts, sh.mp, sh.ep, sh.esp
     out = Breakdown()
@@ -190,7 +206,7 @@ def predict(schedule: str, sh: LayerShape, costs: OpCosts) -> Breakdown:
         cb = _pad(c1, chunks)
         v = e * cb * m * b
         out.add("gate", _gate(costs, sh, mine, sh.tokens))
-        out.add("agree", _agree(costs, sh, 2))
+        out.add("agree", _agree(costs, sh, 1))
         out.add("dispatch+combine", _route(costs, sh, mine, cb))
         out.add("exchanges", _exchanges(costs, sh, v, chunks, mp_split=False) + _fills(costs, sh))
         out.add("experts", _experts(costs, sh, expert_rows(sh, mine, cb, False, sh.skip_empty_slots)))
@@ -203,7 +219,7 @@ def predict(schedule: str, sh: LayerShape, costs: OpCosts) -> Breakdown:
     c = sh.capacity(sh.tokens)
     out.add("gate", _gate(costs, sh, sh.tokens, sh.tokens))
     if schedule in ("s2", "deepspeed"):
-        out.add("agree", _agree(costs, sh, 1))
+        out.add("agree", _agree(costs, sh, 1 if sh.mp > 1 else 0))
     if schedule == "s2":
         chunks = max(1, min(sh.chunks, math.ceil(c / n)))
         cb = _pad(c, n * chunks)
@@ -218,8 +234,7 @@ def predict(schedule: str, sh: LayerShape, costs: OpCosts) -> Breakdown:
         # every ESP rank runs the whole (replicated) slots, s = 1 in the row count; AR of the filled rows
         rows = expert_rows(replace(sh, esp=1), sh.tokens, c, False, sh.skip_empty_slots)
         out.add("a2a", 4 * costs("a2a@ep", v) if p > 1 else 0.0)
-        if sh.skip_empty_slots and p > 1:
-            out.add("a2a", costs("a2a@ep", 4 * e))
+        out.add("a2a", _fills(costs, sh))
         out.add("experts", _experts(costs, sh, rows))
         out.add("esp", 2 * e // p * costs("ar@esp", rows * m * b) if s > 1 else 0.0)
         return out

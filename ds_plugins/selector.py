@@ -5,13 +5,16 @@ different schedules (which would deadlock) and no forward issues a collective ou
 (under pipeline parallelism the other stages are busy with other layers):
 
 - the fitted costs: when the layer is set up (``set_deepspeed_parallelism``, which ``deepspeed.initialize``
-  and ``ds_plugins.initialize`` call), every rank of the layer runs a short micro-benchmark (about a
-  second): each collective the schedules use, on the layer's own process groups, at a few sizes
-  (FSMoE §6.2: fp32 buffers, the fastest of a few runs, least-squares α and β); two collectives on different
-  groups at once, for the overlap inefficiency γ; a GEMM, a copy and dispatch + combine forward and
-  backward (called directly, without autograd), for the local work. The parameters are then MAX-reduced
-  over the layer's MP and EP groups (the slowest rank sets a layer's pace; MAX is exact, so every rank
-  holds bit-identical numbers), cached in this process per layout and, when ``cost_cache`` names a file,
+  and ``ds_plugins.initialize`` call), every rank of the layer runs a short micro-benchmark (a few
+  seconds on CPU): each collective the schedules use, on the layer's own process groups, from 64 B to
+  8 MiB (FSMoE §6.2: fp32 buffers, α and β by least squares); two collectives on different groups at once,
+  for the overlap inefficiency γ; a GEMM, a copy and dispatch + combine forward and backward (called
+  directly, without autograd), for the local work; one pass of the schedules' own chunked exchange code
+  on a tiny buffer, for the per-call overhead δ that the lined-up collectives miss. Each rank keeps the
+  median of 5 runs per point, the ranks agree on the median of those over the layer's MP and EP groups,
+  and only the agreed times are fitted (relative-error least squares, :func:`fit_relative`), so every
+  rank holds bit-identical numbers; they are MAX-reduced over the same groups (a no-op on fitted numbers,
+  the agreement for read ones), cached in this process per layout and, when ``cost_cache`` names a file,
   in that JSON file (ds_plugins.cost_cache: every rank reads it, and their outcomes are agreed before any
   is used; a bad or uneven file is one warning on every rank, then the costs are measured);
 - the layer shape: the token count agreed by ds_plugins.agreement (never the local count alone), and the
@@ -27,6 +30,7 @@ layer's first rank.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 import warnings
 
@@ -35,17 +39,27 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from commweave import comm, cost
-from ds_plugins import agreement, cost_cache, cost_model, experts, reference
+from ds_plugins import agreement, cost_cache, cost_model, experts, overlap, reference
 from ds_plugins.cost_model import LayerShape, OpCosts
 from ds_plugins.dispatch import backend, combine, dispatch
 
-SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 21)
-"""fp32 elements per micro-benchmark buffer (256 KiB to 8 MiB)."""
+SIZES = (16, 1 << 12, 1 << 15, 1 << 18, 1 << 21)
+"""fp32 elements per collective micro-benchmark buffer, 64 B to 8 MiB: the regime of the layers' calls,
+from the agreements and fill counts (tens of bytes) through one chunk of a small layer (tens of kB) to a
+whole exchange (MBs). Fitted on 256 KiB and up alone, α was the intercept of a line through large
+messages, not a small call's cost: 3.5 ms for an all-reduce on 4 CPU ranks whose small calls took about
+7 ms, 0.6 ms for their all-gather, whose small calls took 4.7 (issue 23, notes/reports/parm-auto-3.md)."""
 REPEATS = 5
-"""Timing runs per micro-benchmark point; the fastest counts. Other processes on the machine only ever add
-time to a run (a preempted rank, a busy core), so the minimum is the estimate that moves least with the
-machine's load; a median of 3 moved the fitted costs enough that "auto" picked S2 at load ~6 and S1 at
-load ~20 for one model (issue 23)."""
+"""Timing runs per micro-benchmark point; each rank keeps the median, and the layer's ranks then agree on
+the median of those (:func:`_median_over_layer`) before anything is fitted. A real step meets the
+machine's typical contention, not its luckiest moment: the fastest of 5 (the previous rule) tracked how
+idle the machine happened to be, and its fits moved 0.29-2.11x between two runs (issue 23)."""
+GEMM_ROWS = (16, 128, 1024, 2048)
+"""Rows of the [rows, 512] x [512, 512] GEMMs fitted for "gemm": from one sparse expert's rows up."""
+COPY_ELEMENTS = (1 << 12, 1 << 16, 1 << 19, 1 << 21)
+ROUTE_TOKENS = (64, 256, 1024, 4096)
+EXCHANGE_CHUNKS = 4
+"""Chunks of the exchange pass timed for the per-call overhead (:meth:`_Bench.exchange`)."""
 
 _fitted: dict[str, OpCosts] = {}
 _decisions: dict[tuple, dict] = {}
@@ -69,6 +83,12 @@ def _call(kind: str, group, x: torch.Tensor):
         out = x.new_empty(x.numel() // g)
         return (lambda async_op=False: comm.reduce_scatter(out, x, group, async_op=async_op)), n
     return (lambda async_op=False: comm.all_reduce(x, group, async_op=async_op)), n
+
+
+def _nbytes(name: str, groups: dict, elements: int) -> int:
+    """The bytes n that :func:`_call` models collective ``name`` on for a buffer of fp32 ``elements``."""
+    kind, group = name.split("@")
+    return elements * 4 * (comm.size(groups[group]) if kind == "ag" else 1)
 
 
 def _route_step(tokens: int, device: torch.device, hidden: int = 512, experts: int = 8, k: int = 2):
@@ -109,19 +129,60 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def fit_relative(sizes, times) -> cost.AlphaBeta:
+    """α + β·n by least squares on the relative error, Σ_i ((α + β·n_i) / t_i - 1)², both clamped at 0.
+
+    The sizes span five orders of magnitude: an ordinary least-squares line is set by the largest points,
+    and its intercept is their noise, 50x off the small calls' measured times; weighting each point by
+    1/t_i² fits every point to about the same relative error, so α holds the small calls and β the large.
+    """
+    w = [1.0 / max(t, 1e-12) ** 2 for t in times]
+    s0 = sum(w)
+    s1 = sum(wi * n for wi, n in zip(w, sizes, strict=True))
+    s2 = sum(wi * n * n for wi, n in zip(w, sizes, strict=True))
+    t0 = sum(wi * t for wi, t in zip(w, times, strict=True))
+    t1 = sum(wi * n * t for wi, n, t in zip(w, sizes, times, strict=True))
+    det = s0 * s2 - s1 * s1
+    beta = (s0 * t1 - s1 * t0) / det if det > 0 else 0.0
+    alpha = (t0 - beta * s1) / s0
+    if beta < 0:                         # flat within the noise: the weighted mean
+        return cost.AlphaBeta(t0 / s0, 0.0)
+    if alpha < 0:                        # through the origin
+        return cost.AlphaBeta(0.0, t1 / s2)
+    return cost.AlphaBeta(alpha, beta)
+
+
+def _median_over_layer(t: torch.Tensor, g) -> torch.Tensor:
+    """The median over the layer's ranks of every entry of ``t``: over MP, then over EP. After the MP
+    round an MP group holds one value, and every EP group holds one rank of each MP group, so every rank
+    of the layer ends with the same numbers (the same inputs through the same arithmetic)."""
+    for group in (g.mp, g.ep):
+        if group is not None:
+            size = comm.size(group)
+            out = t.new_empty(size * t.numel())
+            comm.all_gather(out, t.contiguous(), group)
+            t = out.view(size, -1).quantile(0.5, dim=0)
+    return t
+
+
 class _Bench:
-    """Micro-benchmarks on the device the layer runs on (CUDA work is synchronised before each clock read)."""
+    """Micro-benchmarks on the device the layer runs on (CUDA work is synchronised before each clock read).
+
+    :meth:`measure` times every point first (each rank its own median of :data:`REPEATS`), agrees on the
+    medians over the layer's ranks, and only then fits: every rank fits the same numbers.
+    """
 
     def __init__(self, g, device: torch.device) -> None:
         self.g, self.device = g, device
+        self.groups = {"ep": g.ep, "esp": g.esp, "mp": g.mp}
 
     def _sync(self) -> None:
         if self.device.type != "cpu":
             get_accelerator().synchronize()
 
     def time(self, fn, groups=()) -> float:
-        """Fastest of :data:`REPEATS` wall times of ``fn``; the ranks of ``groups`` line up (one-element
-        all-reduces) before each."""
+        """Median of :data:`REPEATS` wall times of ``fn`` on this rank; the ranks of ``groups`` line up
+        (one-element all-reduces) before each."""
         times = []
         for _ in range(REPEATS):
             for group in groups:
@@ -131,71 +192,121 @@ class _Bench:
             fn()
             self._sync()
             times.append(time.perf_counter() - t0)
-        return min(times)
+        return statistics.median(times)
 
-    def collective(self, name: str) -> cost.AlphaBeta:
-        """α-β of one modelled collective ("a2a@ep", "ag@esp", ...) on n bytes (the ledger's n)."""
+    def collective(self, name: str) -> tuple[list[float], list[float]]:
+        """(bytes n as the ledger counts them, times) of one modelled collective ("a2a@ep", "ag@esp", ...)
+        at :data:`SIZES`; no points for a group this layer does not have."""
         kind, group_key = name.split("@")
-        group = {"ep": self.g.ep, "esp": self.g.esp, "mp": self.g.mp}[group_key]
-        if group is None:
-            return cost.AlphaBeta(0.0, 0.0)
+        group = self.groups[group_key]
         sizes, times = [], []
-        for n in SIZES:
-            fn, nbytes = _call(kind, group, torch.randn(n, device=self.device))
-            sizes.append(nbytes)
-            times.append(self.time(fn, [group]))
-        return cost.fit(sizes, times).model
+        if group is not None:
+            for n in SIZES:
+                fn, nbytes = _call(kind, group, torch.randn(n, device=self.device))
+                sizes.append(nbytes)
+                times.append(self.time(fn, [group]))
+        return sizes, times
 
-    def overlap(self, ops: dict[str, cost.AlphaBeta]) -> float:
-        """γ from two collectives the exchanges overlap, alone (fitted) and together, at the largest size:
-        A2A on EP with AG on ESP, or without EP, RS on ESP with AG on MP (S2's combine chain).
+    def overlap_pair(self) -> tuple[float, tuple[str, str] | None, float]:
+        """(γ where it is not measured, else the two collectives overlapped and their time together at the
+        largest size): A2A on EP with AG on ESP, or without EP, RS on ESP with AG on MP (S2's combine chain).
 
         CPU ranks that fill the cores (ranks x threads >= cores) get γ = 1 without measuring: gloo moves
         data with the CPU, so a concurrent collective takes its cores from the other ranks' compute. In
-        isolation the two collectives do overlap, which is why measuring would mislead there.
+        isolation the two collectives do overlap, which is why measuring would mislead there. A layer
+        with fewer than two groups never overlaps two collectives: γ = 0, unused.
         """
         if self.device.type == "cpu" and _ranks_per_host() * torch.get_num_threads() >= _cores():
-            return 1.0
+            return 1.0, None, 0.0
         pairs = [("a2a@ep", "ag@esp"), ("a2a@ep", "ag@mp"), ("rs@esp", "ag@mp")]
-        groups = {"ep": self.g.ep, "esp": self.g.esp, "mp": self.g.mp}
-        live = [p for p in pairs if all(groups[name.split("@")[1]] is not None for name in p)]
+        live = [p for p in pairs if all(self.groups[name.split("@")[1]] is not None for name in p)]
         if not live:
-            return 0.0
+            return 0.0, None, 0.0
         x = torch.randn(SIZES[-1], device=self.device)
-        calls = [_call(name.split("@")[0], groups[name.split("@")[1]], x) for name in live[0]]
-        first, second = (fn for fn, _ in calls)
-        alone = [ops[name](n) for name, (_, n) in zip(live[0], calls, strict=True)]
+        first, second = (_call(name.split("@")[0], self.groups[name.split("@")[1]], x)[0] for name in live[0])
 
         def both():
             comm.wait_all([first(async_op=True), second(async_op=True)])
         lineup = [group for group in (self.g.mp, self.g.ep) if group is not None]
-        gamma = (self.time(both, lineup) - max(alone)) / max(min(alone), 1e-9)
-        return min(max(gamma, 0.0), 1.0)
+        return 0.0, live[0], self.time(both, lineup)
 
-    def local(self) -> dict[str, cost.AlphaBeta]:
+    def local(self) -> dict[str, tuple[list[float], list[float]]]:
         """GEMM (per flop), strided copy (per byte) and dispatch + combine (per buffer byte) on this rank."""
-        flops, gemm_t, nbytes, mem_t, buf_bytes, route_t = [], [], [], [], [], []
+        gemm, mem, route = ([], []), ([], []), ([], [])
         w = torch.randn(512, 512, device=self.device)
-        for rows in (256, 1024, 2048):
+        for rows in GEMM_ROWS:
             x = torch.randn(rows, 512, device=self.device)
-            flops.append(2 * rows * 512 * 512)
-            gemm_t.append(self.time(lambda x=x: x @ w))
-        for n in (1 << 16, 1 << 19, 1 << 21):
+            gemm[0].append(2 * rows * 512 * 512)
+            gemm[1].append(self.time(lambda x=x: x @ w))
+        for n in COPY_ELEMENTS:
             src = torch.randn(8, n // 2048, 256, device=self.device)
-            nbytes.append(n * 4)
-            mem_t.append(self.time(lambda src=src: src.transpose(0, 1).contiguous()))
-        for tokens in (256, 1024, 4096):
+            mem[0].append(n * 4)
+            mem[1].append(self.time(lambda src=src: src.transpose(0, 1).contiguous()))
+        for tokens in ROUTE_TOKENS:
             fn, n = _route_step(tokens, self.device)
-            buf_bytes.append(n)
-            route_t.append(self.time(fn))
-        return {"gemm": cost.fit(flops, gemm_t).model, "mem": cost.fit(nbytes, mem_t).model,
-                "route": cost.fit(buf_bytes, route_t).model}
+            route[0].append(n)
+            route[1].append(self.time(fn))
+        return {"gemm": gemm, "mem": mem, "route": route}
+
+    def exchange(self) -> tuple[cost_model.LayerShape, float]:
+        """(its shape, the time) of one to_experts + from_experts pass of the schedules' own exchange code
+        (ds_plugins.overlap, the S2 layout with MP, else S1's) on a buffer of one slot per chunk, E = 2·p
+        experts, M = 16: a pass of :data:`EXCHANGE_CHUNKS` chunks that is nothing but calls."""
+        g = self.g
+        sh = cost_model.LayerShape(tokens=1, hidden=16, ffn=16, experts=2 * g.ep_size, k=1,
+                                   capacity_factor=1.0, mp=g.mp_size, ep=g.ep_size, esp=g.esp_size,
+                                   chunks=EXCHANGE_CHUNKS)
+        lay = overlap.Layout(g, sh.experts, EXCHANGE_CHUNKS, 1, mp_split=g.mp is not None)
+        rows = overlap.Rows.every(lay, self.device)
+        buf = torch.randn(sh.experts, lay.capacity, sh.hidden, device=self.device)
+        lineup = [group for group in (g.mp, g.ep) if group is not None]
+        return sh, self.time(lambda: overlap._from_experts(overlap._to_experts(buf, lay, rows), lay, rows),
+                             lineup)
 
     def measure(self) -> OpCosts:
-        ops = {name: self.collective(name) for name in ("a2a@ep", "ag@esp", "rs@esp", "ag@mp", "ar@mp")}
+        points = {name: self.collective(name) for name in ("a2a@ep", "ag@esp", "rs@esp", "ag@mp", "ar@mp")}
+        points.update(self.local())
+        gamma, pair, together = self.overlap_pair()
+        live = self.g.mp is not None or self.g.ep is not None
+        shape, passed = self.exchange() if live else (None, 0.0)
+        names = [name for name in points if points[name][1]]
+        mine = [t for name in names for t in points[name][1]] + ([together] if pair else []) + [passed]
+        agreed = _median_over_layer(torch.tensor(mine, dtype=torch.float64, device=self.device), self.g)
+        agreed = agreed.cpu().tolist()
+        ops = {name: cost.AlphaBeta(0.0, 0.0) for name in points}
+        for name in names:
+            sizes = points[name][0]
+            ops[name] = fit_relative(sizes, agreed[:len(sizes)])
+            agreed = agreed[len(sizes):]
         ops["ar@esp"] = ops["ar@mp"]
-        ops.update(self.local())
-        return OpCosts(ops, self.overlap(ops))
+        if pair is not None:
+            alone = [ops[name](_nbytes(name, self.groups, SIZES[-1])) for name in pair]
+            gamma = min(max((agreed[0] - max(alone)) / max(min(alone), 1e-9), 0.0), 1.0)
+        costs = OpCosts(ops, gamma)
+        return costs if shape is None else _with_call_overhead(costs, shape, agreed[-1])
+
+
+def _with_call_overhead(costs: OpCosts, sh: cost_model.LayerShape, measured: float) -> OpCosts:
+    """``costs`` with the exchanges' collectives' α raised by δ, the time per call that the exchange pass
+    ``sh`` took beyond its fitted collectives: δ = (measured - modelled) / calls (α kept >= 0). The
+    all-reduces (the agreements, the deepspeed order's inside the experts) are plain blocking calls, not
+    the exchanges' launched-and-waited ones, and keep their α.
+
+    The α-β points time one call between line-ups; inside a schedule every call also pays for its launch,
+    its wait and the slicing around it, while the ranks reach it at their own pace. Those costs are paid
+    per call, and the schedules differ most in their number of calls: on 4 CPU ranks S2 makes 44 per
+    step where the deepspeed order makes 15, and on the issue-23 sweep the chunked schedules lost by up
+    to 4x what the α-β terms predicted for their extra calls. δ is measured on the schedules' own code.
+    """
+    v = sh.experts * EXCHANGE_CHUNKS * (sh.mp if sh.mp > 1 else 1) * sh.hidden * 4
+    modelled = cost_model.exchange_pass(costs, sh, v, mp_split=sh.mp > 1)
+    calls = cost_model.exchange_calls(sh, mp_split=sh.mp > 1)
+    delta = (measured - modelled) / calls
+    ops = dict(costs.ops)
+    for op in ("a2a@ep", "ag@esp", "rs@esp", "ag@mp"):
+        if ops[op].alpha > 0 or ops[op].beta > 0:
+            ops[op] = cost.AlphaBeta(max(ops[op].alpha + delta, 0.0), ops[op].beta)
+    return OpCosts(ops, costs.overlap)
 
 
 def _to_tensor(c: OpCosts) -> torch.Tensor:

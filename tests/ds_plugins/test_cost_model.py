@@ -35,9 +35,11 @@ def test_s1_and_s2_charge_n_times_fewer_all_to_all_bytes():
     c, c1 = SHAPE.capacity(SHAPE.tokens), SHAPE.k * SHAPE.tokens // SHAPE.experts // SHAPE.mp
     assert base / _without_agreement("s1", SHAPE, a2a) == pytest.approx(SHAPE.mp * c / (c1 * SHAPE.mp))
     assert predict("ds-installed", SHAPE, a2a).total == pytest.approx(base / SHAPE.mp)
-    # the agreement: one round (S) for S2, two (S, then S1's capacity) for S1, 48 bytes over EP each
+    # the agreement as "auto" runs them with MP: one round (S) each, 48 bytes over EP (S1's capacity and,
+    # without MP, S itself travel with the fill counts' headers: ds_plugins.schedules.sync_free)
     assert predict("s2", SHAPE, a2a).parts["agree"] == 48
-    assert predict("s1", SHAPE, a2a).parts["agree"] == 96
+    assert predict("s1", SHAPE, a2a).parts["agree"] == 48
+    assert predict("s2", LayerShape(**{**SHAPE.__dict__, "mp": 1, "esp": 1}), a2a).parts.get("agree", 0) == 0
 
 
 def test_mp_all_gather_volume_decides_between_s1_and_s2():
@@ -65,9 +67,9 @@ def test_skipping_charges_the_experts_the_filled_rows_only():
     tight = LayerShape(**{**SHAPE.__dict__, "capacity_factor": 0.5})
     assert predict("s2", tight, gemm).total == \
         predict("s2", LayerShape(**{**tight.__dict__, "skip_empty_slots": False}), gemm).total
-    # the fill counts: one A2A over EP of E int32, forward only
+    # the fill counts with this rank's header per EP peer: one A2A over EP of E + p·6 int32, forward only
     assert predict("s2", SHAPE, _only("a2a@ep")).total - predict("s2", all_slots, _only("a2a@ep")).total == \
-        pytest.approx(4 * SHAPE.experts)
+        pytest.approx(4 * (SHAPE.experts + SHAPE.ep * 6))
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS, ids=lambda c: c.name.split(":")[0])

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from commweave import cost
 from commweave.ledger import recording
 from ds_plugins import ParmMoE, cost_model, selector
 from tests.ds_plugins.deepspeed_oracle import mlp, use_layout
@@ -32,7 +33,12 @@ def _auto(cache_file: str):
     selector._fitted.clear()
     with recording() as led:
         reloaded = selector._to_tensor(selector.fitted_costs(layer.parm_groups, cache_file)).tolist()
-    return {"choice": first, "again": layer.last_schedule, "decisions": len(selector.decisions()),
+    with recording() as passed:                   # the per-call overhead's pass: its calls as modelled
+        shape, _ = selector._Bench(layer.parm_groups, x.device).exchange()
+    lineups = 2 * selector.REPEATS               # an all-reduce over MP and over EP before each run
+    calls = sum(v["calls"] for v in passed.as_dict().values()) - lineups
+    return {"pass_calls": calls / selector.REPEATS, "modelled_calls": cost_model.exchange_calls(shape, True),
+            "choice": first, "again": layer.last_schedule, "decisions": len(selector.decisions()),
             "fitted": fitted, "reloaded": reloaded, "reload_traffic": led.as_dict(),
             "file": os.path.exists(cache_file)}
 
@@ -54,6 +60,7 @@ def test_auto_fits_once_agrees_on_every_rank_and_caches(world, tmp_path):
             "all_gather@ep": {"calls": 1, "sent": 67 * 8, "received": 67 * 8},
             "all_reduce@mp": reduced, "all_reduce@ep": reduced}
         assert r["file"]
+        assert r["pass_calls"] == r["modelled_calls"] == 4 * 5   # A2A twice, AG and RS over ESP, AG over MP
     costs = selector._from_tensor(torch.tensor(res[0]["fitted"], dtype=torch.float64))
     for op in ("a2a@ep", "ag@esp", "rs@esp", "ag@mp", "gemm", "mem"):
         assert costs.ops[op].beta > 0, op
@@ -95,3 +102,17 @@ def test_auto_decides_from_the_agreed_token_count_on_the_layers_groups(world):
         assert r["choice"] == res[0]["choice"] and r["decided"] == [200]
         assert set(r["groups"]) <= {"mp", "esp", "ep"}, r["groups"]
         assert r["rng kept"] and r["same output"]
+
+
+def test_relative_fit_keeps_small_calls_and_large_ones():
+    """The micro-benchmark's sizes span 64 B to 8 MiB: exact α + β·n comes back, and 10% noise on the
+    largest point moves α by far less than an ordinary least-squares intercept does (which it sets)."""
+    sizes = [64, 16e3, 128e3, 1e6, 8e6]
+    alpha, beta = 300e-6, 1.5e-9
+    exact = [alpha + beta * n for n in sizes]
+    got = selector.fit_relative(sizes, exact)
+    assert got.alpha == pytest.approx(alpha, rel=1e-9) and got.beta == pytest.approx(beta, rel=1e-9)
+    noisy = [*exact[:-1], exact[-1] * 1.1]
+    rel, ols = selector.fit_relative(sizes, noisy), cost.fit(sizes, noisy).model
+    assert abs(rel.alpha - alpha) < 0.05 * alpha < abs(ols.alpha - alpha)
+    assert selector.fit_relative(sizes, [1e-3] * 5) == cost.AlphaBeta(1e-3, 0.0)   # flat: no slope

@@ -125,18 +125,21 @@ def time_instructions(engine, seconds: dict[str, list[float]]) -> None:
 
 
 def measure(plan, variants: list[str], steps: int, warmup: int, hidden: int, rows: int,
-            enable) -> dict:
-    """Per variant: this rank's seconds per ``train_batch`` and per engine instruction (timed steps only)."""
+            enable, probe) -> dict:
+    """Per variant: this rank's seconds per ``train_batch`` and per engine instruction (timed steps
+    only), and ``probe(handle, connections)`` of the link taken just before the timed steps (after
+    the warm-up: the connections the steps use, in the state the steps leave them)."""
     engine = engine_for(plan, hidden, rows)
     out, step = {}, 0
     for variant in variants:
-        handle = None
+        handle, k = None, 1
         if variant != "stock":
             k, mode = variant.split(":")
             handle = enable(plan, int(k), mode)
         for _ in range(warmup):
             _step(engine, plan, step, hidden, rows)
             step += 1
+        link = probe(handle, int(k))
         seconds: dict[str, list[float]] = {}
         time_instructions(engine, seconds)
         times = []
@@ -149,8 +152,37 @@ def measure(plan, variants: list[str], steps: int, warmup: int, hidden: int, row
         if handle is not None:
             handle.undo()
         out[variant] = {"step_s": times, "ops": {k: statistics.median(v) for k, v in seconds.items()},
-                        "op_count": {k: len(v) for k, v in seconds.items()}}
+                        "op_count": {k: len(v) for k, v in seconds.items()}, "link": link}
     return out
+
+
+def probe_link(plan, handle, connections: int, far: set[str] | None) -> dict:
+    """The link as this rank's sends see it: ping-pongs over the way the pipeline sends (DeepSpeed's
+    world-group p2p without ``handle``, ATLAS's WAN groups with it; launch.net.pingpong) and the
+    kernel's view of this namespace's connections to the far data center (launch.net.sockets.tcp_info)."""
+    import torch.distributed as dist
+
+    from commweave import comm
+    from launch.net.pingpong import pipeline_pingpong
+    from launch.net.sockets import tcp_info
+
+    me = dist.get_rank()
+    if handle is None:
+        def send(t, peer):
+            comm.send(t, peer, dist.group.WORLD)
+
+        def recv(t, peer):
+            comm.recv(t, peer, dist.group.WORLD)
+    else:
+        def send(t, peer):
+            handle.wan.isend(t, me, peer).wait()
+
+        def recv(t, peer):
+            handle.wan.irecv(t, me, peer).wait()
+    seconds = pipeline_pingpong(plan.wan_pairs(), me, send, recv, connections, dist.barrier)
+    keep = ("snd_wnd", "rcv_space", "rcv_ssthresh", "rb", "tb", "cwnd", "minrtt", "mss", "bytes_acked",
+            "bytes_received", "cc", "local", "peer")
+    return {"pingpong_s": seconds, "tcp": [{k: c[k] for k in keep if k in c} for c in tcp_info(far)]}
 
 
 def main() -> None:
@@ -212,7 +244,7 @@ def main() -> None:
             return atlas.enable_deepspeed(plan, connections=k, sharing=mode)
 
         report["variants"] = measure(plan, variants, args.steps, args.warmup, args.hidden, args.micro_batch,
-                                     enable_variant)
+                                     enable_variant, lambda handle, k: probe_link(plan, handle, k, far))
         report["act_bytes"] = args.micro_batch * args.hidden * 4
     else:
         report["losses"] = train(args.steps, plan, enable)

@@ -15,7 +15,8 @@ launcher's ``--wan-connections``, sharing the WAN as ``--atlas-sharing`` says.
 
 Every rank writes ``rank<N>.json`` to ``--out``: train losses, held-out loss, step times, bytes sent
 per step by kind, the median seconds of each instruction of DeepSpeed's engine over the timed steps
-(what launch.plan.calibrated predicts the step time from), and the WAN settings it ran with.
+and the ping-pongs of its WAN pair just before them (what launch.plan.calibrated predicts the step
+time from: examples.atlas_pipeline.probe_link), and the WAN settings it ran with.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def main() -> None:
     import ds_plugins
     import launch.run.runtime as atlas
     from commweave import ledger
-    from examples.atlas_pipeline import time_instructions
+    from examples.atlas_pipeline import probe_link, time_instructions
     from examples.gpt.train import counted
 
     plan = atlas.init()
@@ -151,9 +152,12 @@ def main() -> None:
     engine, *_ = ds_plugins.initialize(model=model, model_parameters=model.parameters(), config=config)
     wan = None if args.stock_p2p else atlas.enable_deepspeed(plan)
     corpus = data.Corpus.load()
-    book, losses, step_ms, op_seconds = ledger.Ledger(), [], [], {}
+    book, losses, step_ms, op_seconds, link = ledger.Ledger(), [], [], {}, None
+    far = {h.addr for h in plan.hosts if h.dc != plan.dc_of(dist.get_rank()) and h.addr} or None
     for step in range(args.steps):
         if step == args.warmup_steps:
+            # the link as the timed steps' sends see it, measured just before them (launch.net.pingpong)
+            link = probe_link(plan, wan, 1 if wan is None else wan.wan.connections, far)
             time_instructions(engine, op_seconds)
         batches = iter(_batches(corpus, "train", step, replica, args))
         start = time.perf_counter()
@@ -173,7 +177,8 @@ def main() -> None:
               "ops": {k: statistics.median(v) for k, v in op_seconds.items()},
               "act_bytes": args.seq * args.micro * args.hidden * 4,      # [s, b, h] fp32 (the CPU config)
               "wan_connections": int(os.environ.get(atlas.ENV_CONNS, "1")),
-              "sharing": os.environ.get(atlas.ENV_SHARING, "spatial"), "stock_p2p": args.stock_p2p}
+              "sharing": os.environ.get(atlas.ENV_SHARING, "spatial"), "stock_p2p": args.stock_p2p,
+              "link": link}
     if wan is not None:
         wan.undo()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,7 @@ def _pingpong(rank: int, send, recv, sizes_kib: list[int], repeats: int) -> dict
 
     from launch.net.pingpong import one_way
 
-    obj = [one_way(rank == 0, send, recv, sizes_kib, repeats)]
+    obj = [one_way(rank == 0, send, recv, sizes_kib, repeats)["one_way"]]
     dist.broadcast_object_list(obj, src=0)
     return obj[0]
 

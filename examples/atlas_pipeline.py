@@ -152,6 +152,7 @@ def measure(plan, variants: list[str], steps: int, warmup: int, hidden: int, row
         if handle is not None:
             handle.undo()
         out[variant] = {"step_s": times, "ops": {k: statistics.median(v) for k, v in seconds.items()},
+                        "ops_total_s": sum(map(sum, seconds.values())),
                         "op_count": {k: len(v) for k, v in seconds.items()}, "link": link}
     return out
 

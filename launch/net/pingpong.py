@@ -37,21 +37,24 @@ def sizes_kib(connections: int) -> tuple[int, int]:
 
 
 def one_way(first: bool, send: Transfer, recv: Transfer, kib: Sequence[int], repeats: int = REPEATS
-            ) -> dict[str, float]:
-    """Median one-way seconds per size in KiB (keys are str), of a blocking send answered by a blocking
-    send back; on the ``first`` side's clock, which spans the whole round trip (the other side's send
-    may return once its bytes are buffered). Both sides call it; only the first's figures mean anything.
-    A one-element exchange before each repeat starts both sides together."""
+            ) -> dict[str, dict[str, float]]:
+    """Per size in KiB (keys are str), medians of a blocking send answered by a blocking send back:
+    ``one_way`` seconds (half the round trip, on the ``first`` side's clock, which spans it whole) and
+    ``send_return`` seconds (until the first side's send call returned: a send returns once its last
+    bytes are in the kernel's socket buffers, before they arrive). Both sides call it; only the
+    first's figures mean anything (NaN on the other). A one-element exchange before each repeat
+    starts both sides together."""
     sync = torch.zeros(1)
-    out = {}
+    out = {"one_way": {}, "send_return": {}}
     for size in kib:
-        x, times = torch.ones(size * 256), []
+        x, times, sends = torch.ones(size * 256), [], []
         for _ in range(repeats):
             if first:
                 send(sync)
                 recv(sync)
                 t0 = time.monotonic()
                 send(x)
+                sends.append(time.monotonic() - t0)
                 recv(x)
                 times.append((time.monotonic() - t0) / 2)
             else:
@@ -59,7 +62,8 @@ def one_way(first: bool, send: Transfer, recv: Transfer, kib: Sequence[int], rep
                 send(sync)
                 recv(x)
                 send(x)
-        out[str(size)] = statistics.median(times) if times else float("nan")
+        out["one_way"][str(size)] = statistics.median(times) if times else float("nan")
+        out["send_return"][str(size)] = statistics.median(sends) if sends else float("nan")
     return out
 
 
@@ -88,11 +92,12 @@ def pipeline_pingpong(pairs: Sequence[tuple[int, int]], me: int, send: Callable[
     return mine
 
 
-def combine(per_pair: Sequence[Mapping[str, float]], connections: int) -> dict:
-    """The link mode of a job from its pairs' ping-pongs: per size the median over the pairs, then
-    :func:`fit`; the pairs' own seconds are kept (``pingpong_s``)."""
+def combine(per_pair: Sequence[Mapping[str, Mapping[str, float]]], connections: int) -> dict:
+    """The link mode of a job from its pairs' ping-pongs (:func:`one_way`'s results): per size the
+    median over the pairs, then :func:`fit`; the pairs' own figures are kept (``pingpong_s``)."""
     if not per_pair:
         raise ValueError("combine: no pair reported ping-pongs")
     kib = sizes_kib(connections)
-    seconds = {str(k): statistics.median(p[str(k)] for p in per_pair) for k in kib}
-    return {**fit(seconds, kib), "pingpong_s": [dict(p) for p in per_pair]}
+    seconds = {str(k): statistics.median(p["one_way"][str(k)] for p in per_pair) for k in kib}
+    send_return = {str(k): statistics.median(p["send_return"][str(k)] for p in per_pair) for k in kib}
+    return {**fit(seconds, kib), "send_return_s": send_return, "pingpong_s": [dict(p) for p in per_pair]}

@@ -29,9 +29,11 @@ def test_sizes_follow_striping():
 
 
 def test_combine_takes_the_median_over_pairs_per_size():
-    pairs = [{"1024": 0.1, "4096": 0.2}, {"1024": 0.3, "4096": 0.5}, {"1024": 0.2, "4096": 0.3}]
+    pairs = [{"one_way": {"1024": a, "4096": b}, "send_return": {"1024": c, "4096": c}}
+             for a, b, c in ((0.1, 0.2, 0.0), (0.3, 0.5, 0.02), (0.2, 0.3, 0.01))]
     got = pingpong.combine(pairs, 8)
-    assert got == {**pingpong.fit({"1024": 0.2, "4096": 0.3}, (1024, 4096)), "pingpong_s": pairs}
+    assert got == {**pingpong.fit({"1024": 0.2, "4096": 0.3}, (1024, 4096)),
+                   "send_return_s": {"1024": 0.01, "4096": 0.01}, "pingpong_s": pairs}
     with pytest.raises(ValueError, match="no pair reported"):
         pingpong.combine([], 1)
 
@@ -55,6 +57,10 @@ def test_one_way_between_two_threads():
     [t.start() for t in threads]
     [t.join(timeout=20) for t in threads]
     assert set(out) == {0, 1}
-    assert all(out[0][k] > 0 for k in ("1", "8")) and all(math.isnan(out[1][k]) for k in ("1", "8"))
+    for what in ("one_way", "send_return"):
+        assert all(out[0][what][k] > 0 for k in ("1", "8")), out
+        assert all(math.isnan(out[1][what][k]) for k in ("1", "8")), out
+    # the send returns before the answer came back
+    assert all(out[0]["send_return"][k] < 2 * out[0]["one_way"][k] for k in ("1", "8"))
     # per size and repeat: a sync element and the tensor each way
     assert sorted(seen) == sorted([(me, n) for me in (0, 1) for n in (1, 256, 1, 256, 1, 2048, 1, 2048)])

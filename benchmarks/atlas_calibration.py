@@ -11,19 +11,26 @@ steps (the slowest rank's step time). Needs root.
 The prediction of a cell is launch.plan.simulate with ``schedule="deepspeed"`` (DeepSpeed's
 instruction order, blocking gloo send/recv that rendezvous: launch/plan/deepspeed_schedule.py) on:
 
-- the link (the fit set, measured on each RTT's link just before its cells, at the ranks' priority):
-  its rate, and for the stock send and each connection count, ``alpha + bytes / rate`` of one
-  transfer after an idle gap, through ping-pongs of 64 KiB and 2 MiB (benchmarks.wan.link_constants;
-  ``python -m benchmarks.wan --pingpong 64,2048 --normal-priority`` on a user's link): no pipeline
-  step time enters it;
+- the link: its rate (32 plain TCP streams, benchmarks.wan.link_rate) and, for the cell's way of
+  sending, ``alpha + bytes / rate`` of one transfer after an idle gap and how long the send call
+  takes to return, from blocking ping-pongs of 64 KiB and 2 MiB (one connection) or 1 and 4 MiB
+  (striped) that the cell's own ranks run on the cell's own connections after its warm-up, just
+  before its timed steps, pair by pair (launch.net.pingpong; the fit set, printed per cell). No
+  pipeline step time enters it. The constants measured before the cells by separate processes
+  (benchmarks.wan.link_constants, what ``python -m benchmarks.wan --pingpong 64,2048
+  --normal-priority`` measures on a user's link) are predicted beside them for comparison
+  (``--no-earlier-fit`` skips that): on this shared machine they drifted with the load (2.7 MB/s for
+  one connection at 40 ms where the cells got 4.1, README);
 - the cell's compute: each stage's median ForwardPass (+ LoadMicroBatch) and BackwardPass, and its
   ReduceGrads + OptimizerStep, as the ranks timed them (inputs, like a profile: nothing is fitted).
 
-The launched topology carries ``window_mb`` = min(the nodes' rmem/wmem maximum, the stock rate x RTT),
-so the plan the launcher prints uses the window the run gets. Prints the fit set, the table
-(measured, predicted, error), whether each cell is within ±25% and whether the simulator ranks the
-variants of each (RTT, size) as measured (pairs within 5% of each other in the measurement count as
-ties), and ends with one JSON line.
+Each cell also prints the kernel's view of its WAN sockets (ss: the advertised window snd_wnd and
+the socket buffers rb/tb), the check that the run's window is the one the buffers cap it at. The
+launched topology carries ``window_mb`` = the nodes' rmem/wmem maximum. Prints the table (measured,
+predicted, error), whether each cell is within ±25% and whether the simulator ranks the variants of
+each (RTT, size) as measured (pairs within 5% of each other in the measurement count as ties, and a
+pair is misranked when the measurement separates it by more than 5% and the prediction orders it the
+other way), the load (/proc/loadavg) before and after each launch, and ends with one JSON line.
 """
 
 from __future__ import annotations

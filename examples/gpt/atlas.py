@@ -12,9 +12,11 @@ is removed on exit (launch.net.netns.Lab). Needs root; without it :func:`pipelin
 The WAN is configs/atlas_two_dc.json scaled down to this machine: 40 ms RTT, and one TCP connection
 carrying 1/25 of the link as Linux's default buffers (2 MiB effective) do on two_dc's 10 Gb/s
 (400 Mbit/s here, 128 KiB buffers). Each row carries the calibrated simulator's prediction
-(launch.plan.calibrated): the link's rate and what one transfer costs on it, stock and with ATLAS's
-connections, from ping-pongs on the emulated link just before (benchmarks.wan.link_constants), and
-each run's own per-instruction compute times as DeepSpeed's engine timed them.
+(launch.plan.calibrated): the link's rate (32 plain TCP streams, benchmarks.wan.link_rate), what one
+transfer costs on it, from ping-pongs by the run's own ranks on its own connections just before its
+timed steps (launch.net.pingpong: stock over DeepSpeed's world group, ATLAS over its WAN groups), and
+each run's own per-instruction compute times as DeepSpeed's engine timed them. The launch itself is
+launch.net.two_dc's, shared with the calibration matrix.
 """
 
 from __future__ import annotations
@@ -91,23 +93,24 @@ def pipeline_rows(deepspeed_config: str, connections: int = 8, wan: Wan = Wan(),
         # connections just before its timed steps (ping-pongs, launch.net.pingpong)
         bandwidth = link_rate(link)
         topo = two_dc.topology(link, 2, wan.rtt_ms, wan.rate_mbit, wan.window_kib * 1024, wan.model(2))
-        for name, conns, stock, what in (
-                ("pipeline", 1, True, f"DeepSpeed pipeline sends, 1 TCP connection ({wan.describe()})"),
-                ("pipeline+ATLAS", connections, False,
+        # one launch trains both rows, each from the same seeded weights (examples/gpt/pipeline.py --rows)
+        ranks = two_dc.launch(link, topo, Path(tmp), script, [*args, "--rows", "stock,atlas"],
+                              ["--wan-connections", str(connections), "--atlas-sharing", "spatial"],
+                              NODE_TIMEOUT)
+        for name, row, conns, what in (
+                ("pipeline", "stock", 1, f"DeepSpeed pipeline sends, 1 TCP connection ({wan.describe()})"),
+                ("pipeline+ATLAS", "atlas", connections,
                  f"ATLAS: {connections} TCP connections, spatial sharing ({wan.describe()})")):
-            ranks = two_dc.launch(link, topo, Path(tmp, name), script,
-                                  [*args, *(["--stock-p2p"] if stock else [])],
-                                  ["--wan-connections", str(conns), "--atlas-sharing", "spatial"],
-                                  NODE_TIMEOUT)
-            compute = compute_inputs([(r["stage"], r["ops"]) for r in ranks], 2)
-            setting, act = "stock" if stock else f"{conns}:spatial", ranks[0]["act_bytes"]
-            mode = combine([r["link"]["pingpong_s"] for r in ranks if r["link"]["pingpong_s"]], conns)
-            modes = {"stock" if stock else str(conns): mode}
-            predicted = step_seconds(compute, 2, MICRO_BATCHES, act, bandwidth,
+            runs = [r["rows"][row] for r in ranks]
+            compute = compute_inputs([(r["stage"], r["ops"]) for r in runs], 2)
+            setting = "stock" if row == "stock" else f"{conns}:spatial"
+            act, m = runs[0]["act_bytes"], runs[0]["micro_batches"]
+            mode = combine([r["link"]["pingpong_s"] for r in runs if r["link"]["pingpong_s"]], conns)
+            modes = {"stock" if row == "stock" else str(conns): mode}
+            predicted = step_seconds(compute, 2, m, act, bandwidth,
                                      LinkMode.from_measured(modes, setting, act), WanSetting.parse(setting))
-            free = step_seconds(compute, 2, MICRO_BATCHES, act, 1e18, LinkMode(0.0, 1e18),
-                                WanSetting.parse(setting))
-            rows.append((_result(name, ranks, predicted, free),
+            free = step_seconds(compute, 2, m, act, 1e18, LinkMode(0.0, 1e18), WanSetting.parse(setting))
+            rows.append((_result(name, runs, predicted, free),
                          f"{what}; predicted {predicted * 1e3:.0f} ms/step (a transfer: "
                          f"{mode['alpha_s'] * 1e3:.0f} ms + {mode['Bps'] / 1e6:.1f} MB/s, "
                          "measured in the run)"))

@@ -5,8 +5,10 @@
 Each cell is examples/atlas_pipeline.py (2 stages x 2 replicas, 4 micro-batches, fp32) started by
 ``deepspeed-atlas --no_ssh`` on two network namespaces joined by launch.net.wanemu (400 Mbit/s, the set
 RTT, TCP buffers capped at 256 KiB): one launch per (RTT, activation size) times the same engine with
-DeepSpeed's own p2p (stock) and with ATLAS at every (connections, sharing), medians of ``--steps``
-steps (the slowest rank's step time). Needs root.
+DeepSpeed's own p2p (stock) and with ATLAS at every (connections, sharing), visited in order and then
+in reverse (a load that drifts during the launch weighs on every variant alike), ``--steps`` timed
+steps per visit; a cell is the median over its 2 x ``--steps`` steps of the slowest rank's step time.
+Needs root.
 
 The prediction of a cell is launch.plan.simulate with ``schedule="deepspeed"`` (DeepSpeed's
 instruction order, blocking gloo send/recv that rendezvous: launch/plan/deepspeed_schedule.py) on:
@@ -75,8 +77,7 @@ def in_run_modes(ranks: list[dict], variants: list[str]) -> dict[str, dict]:
     own = {}
     for v in variants:
         k = 1 if v == "stock" else int(v.split(":")[0])
-        links = [r["variants"][v]["link"]["pingpong_s"] for r in ranks]
-        pairs = [p for p in links if p]
+        pairs = [p for r in ranks for p in r["variants"][v]["link"]["pingpong_s"]]
         own[v] = ("stock" if v == "stock" else str(k), combine(pairs, k))
     every = {key: mode for key, mode in own.values()}
     return {v: {**every, key: mode} for v, (key, mode) in own.items()}
@@ -166,8 +167,8 @@ def run(rtts: list[float], acts: list[int], conns: list[int], steps: int,
             for kib in acts:
                 hidden, rows = SIZES[kib]
                 vs = variants(conns, sharings)
-                args = ["--variants", ",".join(vs), "--steps", str(steps), "--warmup", "1",
-                        "--hidden", str(hidden), "--micro-batch", str(rows)]
+                args = ["--variants", ",".join(vs), "--steps", str(steps), "--passes", "2",
+                        "--warmup", "1", "--hidden", str(hidden), "--micro-batch", str(rows)]
                 topo = two_dc.topology(link, REPLICAS, rtt_ms, RATE_MBIT, window, model(hidden))
                 with tempfile.TemporaryDirectory(prefix="atlas-cal-") as tmp:
                     ranks = two_dc.launch(link, topo, Path(tmp), script, args, timeout_s=NODE_TIMEOUT)

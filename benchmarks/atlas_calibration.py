@@ -5,36 +5,41 @@
 Each cell is examples/atlas_pipeline.py (2 stages x 2 replicas, 4 micro-batches, fp32) started by
 ``deepspeed-atlas --no_ssh`` on two network namespaces joined by launch.net.wanemu (400 Mbit/s, the set
 RTT, TCP buffers capped at 256 KiB): one launch per (RTT, activation size) times the same engine with
-DeepSpeed's own p2p (stock) and with ATLAS at every (connections, sharing), medians of ``--steps``
-steps (the slowest rank's step time). Needs root.
+DeepSpeed's own p2p (stock) and with ATLAS at every (connections, sharing), visited in order and then
+in reverse (a load that drifts during the launch weighs on every variant alike), ``--steps`` timed
+steps per visit; a cell is the median over its 2 x ``--steps`` steps of the slowest rank's step time.
+Needs root.
 
 The prediction of a cell is launch.plan.simulate with ``schedule="deepspeed"`` (DeepSpeed's
 instruction order, blocking gloo send/recv that rendezvous: launch/plan/deepspeed_schedule.py) on:
 
-- the link (the fit set, measured on each RTT's link just before its cells, at the ranks' priority):
-  its rate, and for the stock send and each connection count, ``alpha + bytes / rate`` of one
-  transfer after an idle gap, through ping-pongs of 64 KiB and 2 MiB (benchmarks.wan.link_constants;
-  ``python -m benchmarks.wan --pingpong 64,2048 --normal-priority`` on a user's link): no pipeline
-  step time enters it;
+- the link: its rate (32 plain TCP streams, benchmarks.wan.link_rate) and, for the cell's way of
+  sending, ``alpha + bytes / rate`` of one transfer after an idle gap and how long the send call
+  takes to return, from blocking ping-pongs of 64 KiB and 2 MiB (one connection) or 1 and 4 MiB
+  (striped) that the cell's own ranks run on the cell's own connections after its warm-up, just
+  before its timed steps, pair by pair (launch.net.pingpong; the fit set, printed per cell). No
+  pipeline step time enters it. The constants measured before the cells by separate processes
+  (benchmarks.wan.link_constants, what ``python -m benchmarks.wan --pingpong 64,2048
+  --normal-priority`` measures on a user's link) are predicted beside them for comparison
+  (``--no-earlier-fit`` skips that): on this shared machine they drifted with the load (2.7 MB/s for
+  one connection at 40 ms where the cells got 4.1, README);
 - the cell's compute: each stage's median ForwardPass (+ LoadMicroBatch) and BackwardPass, and its
   ReduceGrads + OptimizerStep, as the ranks timed them (inputs, like a profile: nothing is fitted).
 
-The launched topology carries ``window_mb`` = min(the nodes' rmem/wmem maximum, the stock rate x RTT),
-so the plan the launcher prints uses the window the run gets. Prints the fit set, the table
-(measured, predicted, error), whether each cell is within ±25% and whether the simulator ranks the
-variants of each (RTT, size) as measured (pairs within 5% of each other in the measurement count as
-ties), and ends with one JSON line.
+Each cell also prints the kernel's view of its WAN sockets (ss: the advertised window snd_wnd and
+the socket buffers rb/tb), the check that the run's window is the one the buffers cap it at. The
+launched topology carries ``window_mb`` = the nodes' rmem/wmem maximum. Prints the table (measured,
+predicted, error), whether each cell is within ±25% and whether the simulator ranks the variants of
+each (RTT, size) as measured (pairs within 5% of each other in the measurement count as ties, and a
+pair is misranked when the measurement separates it by more than 5% and the prediction orders it the
+other way), the load (/proc/loadavg) before and after each launch, and ends with one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 from itertools import combinations
 from pathlib import Path
@@ -51,41 +56,9 @@ def variants(connections: list[int], sharings: tuple[str, ...] = ("spatial", "te
     return ["stock"] + [f"{k}:{mode}" for k in connections for mode in sharings]
 
 
-def topology(link, window: float, rtt_ms: float, hidden: int) -> dict:
-    def dc(host, addr, ifname):
-        return {"hosts": [{"name": host, "slots": REPLICAS, "addr": addr}], "ifname": ifname}
-
-    return {"datacenters": {"west": dc("w0", link.addr_a, link.ifname_a),
-                            "east": dc("e0", link.addr_b, link.ifname_b)},
-            "wan": [{"between": ["west", "east"], "rtt_ms": rtt_ms, "bandwidth_gbps": RATE_MBIT / 1e3,
-                     "window_mb": window / 2**20}],
-            "model": {"layers": 8, "hidden": hidden, "seq": 1, "micro_batch": 1, "dtype_bytes": 4,
-                      "global_batch": MICRO_BATCHES * REPLICAS, "pp": 2, "tp": 1, "dp": REPLICAS}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(link, topo: dict, args: list[str], tmp: Path) -> list[dict]:
-    """Both nodes through deepspeed-atlas --no_ssh, each under ``timeout``; the ranks' reports."""
-    path, out = tmp / "topology.json", tmp / "out"
-    path.write_text(json.dumps(topo))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    port, procs = str(_free_port()), []
-    for ns, where in ((link.a, ["--atlas-host", "w0"]), (link.b, ["--node_rank", "1"])):
-        cmd = ["timeout", str(NODE_TIMEOUT), sys.executable, "-m", "launch", "--atlas-topology", str(path),
-               "--no_ssh", *where, "--master_port", port, "examples/atlas_pipeline.py", "--out", str(out),
-               *args]
-        procs.append(link.lab.popen(ns, cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate(timeout=NODE_TIMEOUT + 60)[0] for p in procs]
-    for p, log in zip(procs, logs, strict=True):
-        if p.returncode:
-            raise RuntimeError(f"a node exited {p.returncode}:\n{log[-4000:]}")
-    return [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"), key=lambda f: int(f.stem[4:]))]
+def model(hidden: int) -> dict:
+    return {"layers": 8, "hidden": hidden, "seq": 1, "micro_batch": 1, "dtype_bytes": 4,
+            "global_batch": MICRO_BATCHES * REPLICAS, "pp": 2, "tp": 1, "dp": REPLICAS}
 
 
 def measured(ranks: list[dict], variant: str) -> float:
@@ -94,14 +67,45 @@ def measured(ranks: list[dict], variant: str) -> float:
     return statistics.median(max(s) for s in steps)
 
 
-def predict(ranks: list[dict], variant: str, act_bytes: int, link: dict) -> tuple[float, list]:
+def in_run_modes(ranks: list[dict], variants: list[str]) -> dict[str, dict]:
+    """Per variant, the link modes its prediction takes: the ping-pongs its own ranks ran just before
+    its timed steps (launch.net.pingpong) for its own way of sending, the launch's other variants'
+    for the rest (a k-connection variant below STRIPE_MIN_BYTES sends whole over one connection:
+    the ``1`` mode)."""
+    from launch.net.pingpong import combine
+
+    own = {}
+    for v in variants:
+        k = 1 if v == "stock" else int(v.split(":")[0])
+        pairs = [p for r in ranks for p in r["variants"][v]["link"]["pingpong_s"]]
+        own[v] = ("stock" if v == "stock" else str(k), combine(pairs, k))
+    every = {key: mode for key, mode in own.values()}
+    return {v: {**every, key: mode} for v, (key, mode) in own.items()}
+
+
+def predict(ranks: list[dict], variant: str, act_bytes: int, link_Bps: float, modes: dict
+            ) -> tuple[float, list]:
     """The simulator's seconds per step for a cell, and the compute inputs it used (see the docstring)."""
     from launch.plan.calibrated import LinkMode, WanSetting, compute_inputs, step_seconds
 
     compute = compute_inputs([(r["stage"], r["variants"][variant]["ops"]) for r in ranks], 2)
-    return step_seconds(compute, REPLICAS, MICRO_BATCHES, act_bytes, link["link_Bps"],
-                        LinkMode.from_measured(link["modes"], variant, act_bytes),
-                        WanSetting.parse(variant)), compute
+    return step_seconds(compute, REPLICAS, MICRO_BATCHES, act_bytes, link_Bps,
+                        LinkMode.from_measured(modes, variant, act_bytes), WanSetting.parse(variant)), compute
+
+
+def window_seen(ranks: list[dict], variant: str) -> dict:
+    """The kernel's view of the WAN connections after the variant's ping-pongs (launch.net.sockets
+    .tcp_info, from every rank's namespace): the largest advertised window and socket buffers of the
+    connections that carried data, their congestion control."""
+    conns = [c for r in ranks for c in r["variants"][variant]["link"]["tcp"]
+             if c.get("bytes_acked", 0) > 2**20]
+    if not conns:
+        return {}
+    return {"snd_wnd_kib": max(c.get("snd_wnd", 0) for c in conns) / 1024,
+            "rb_kib": max(c.get("rb", 0) for c in conns) / 1024,
+            "tb_kib": max(c.get("tb", 0) for c in conns) / 1024,
+            "minrtt_ms": min(c.get("minrtt", float("inf")) for c in conns),
+            "cc": sorted({c.get("cc", "?") for c in conns})}
 
 
 def ranking_agrees(cells: list[dict]) -> list[str]:
@@ -121,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--acts", default="256,1024", help=f"activation KiB per micro-batch, of {sorted(SIZES)}")
     ap.add_argument("--connections", default="1,8")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--no-earlier-fit", action="store_true",
+                    help="skip the comparison with link constants measured by separate processes first")
     a = ap.parse_args(argv)
     rtts = [float(x) for x in a.rtts.split(",")]
     acts = [int(x) for x in a.acts.split(",")]
@@ -129,15 +135,17 @@ def main(argv: list[str] | None = None) -> None:
     if bad or a.steps < 1:
         raise ValueError(f"--acts in {sorted(SIZES)}, --connections >= 1, --rtts > 0, --steps >= 1; "
                          f"got {bad or a.steps}")
-    result = run(rtts, acts, conns, a.steps)
+    result = run(rtts, acts, conns, a.steps, earlier_fit=not a.no_earlier_fit)
     if result is not None:
         report(result)
 
 
 def run(rtts: list[float], acts: list[int], conns: list[int], steps: int,
-        sharings: tuple[str, ...] = ("spatial", "temporal")) -> dict | None:
-    from benchmarks.wan import link_constants
-    from launch.net import netns
+        sharings: tuple[str, ...] = ("spatial", "temporal"), earlier_fit: bool = True) -> dict | None:
+    """The matrix; ``earlier_fit``: also the link constants measured before the cells by separate
+    processes (benchmarks.wan.link_constants), predicted beside the in-run ones for comparison."""
+    from benchmarks.wan import link_constants, link_rate
+    from launch.net import netns, two_dc
     from launch.net.wanemu import WanLink
     from launch.plan.socket_limits import host_window
 
@@ -145,34 +153,44 @@ def run(rtts: list[float], acts: list[int], conns: list[int], steps: int,
     if not ok:
         print(json.dumps({"bench": "atlas_calibration", "skipped": reason}))
         return None
-    load, cells, links = [os.getloadavg()[0]], [], {}
+    load, cells, links = [_load()], [], {}
+    script = REPO / "examples" / "atlas_pipeline.py"
     for rtt_ms in rtts:
         with WanLink(rtt=rtt_ms / 1e3, rate=RATE_MBIT * 1e6 / 8) as link:
-            for ns in (link.a, link.b):
-                ns.sysctl("net.ipv4.tcp_rmem", f"4096 131072 {WINDOW_KIB * 1024}")
-                ns.sysctl("net.ipv4.tcp_wmem", f"4096 16384 {WINDOW_KIB * 1024}")
-                ns.sysctl("net.ipv4.tcp_slow_start_after_idle", "0")
-            # the fit set: ping-pongs on this link, then the matrix (which nothing is fitted to)
-            constants = links[rtt_ms] = link_constants(link, connections=",".join(map(str, conns)))
-            # the window for the launched plan: the nodes' limits, or what one stock connection reached
-            one = constants["modes"]["stock"]["Bps"]
-            limit = min(host_window(lambda name, ns=ns: _read(ns, name), 1.0) for ns in (link.a, link.b))
-            window = min(limit, one * rtt_ms / 1e3)
+            two_dc.cap_buffers(link, WINDOW_KIB * 1024)
+            # the link's rate (32 plain TCP streams); with earlier_fit, the separate processes' constants
+            earlier = link_constants(link, connections=",".join(map(str, conns))) if earlier_fit else None
+            rate = earlier["link_Bps"] if earlier else link_rate(link)
+            links[rtt_ms] = {"link_Bps": rate, "earlier": earlier}
+            # the window for the launched plan: the nodes' limits (the prediction reads the run's own)
+            window = min(host_window(lambda name, ns=ns: _read(ns, name), 1.0) for ns in (link.a, link.b))
             for kib in acts:
                 hidden, rows = SIZES[kib]
-                args = ["--variants", ",".join(variants(conns, sharings)), "--steps", str(steps),
+                vs = variants(conns, sharings)
+                args = ["--variants", ",".join(vs), "--steps", str(steps), "--passes", "2",
                         "--warmup", "1", "--hidden", str(hidden), "--micro-batch", str(rows)]
+                topo = two_dc.topology(link, REPLICAS, rtt_ms, RATE_MBIT, window, model(hidden))
                 with tempfile.TemporaryDirectory(prefix="atlas-cal-") as tmp:
-                    ranks = launch(link, topology(link, window, rtt_ms, hidden), args, Path(tmp))
-                for v in variants(conns, sharings):
-                    pred, comp = predict(ranks, v, rows * hidden * 4, constants)
-                    cells.append({"rtt_ms": rtt_ms, "act_kib": kib, "variant": v,
-                                  "measured_s": measured(ranks, v), "predicted_s": pred, "compute": comp})
-                load.append(os.getloadavg()[0])
+                    ranks = two_dc.launch(link, topo, Path(tmp), script, args, timeout_s=NODE_TIMEOUT)
+                modes = in_run_modes(ranks, vs)
+                for v in vs:
+                    pred, comp = predict(ranks, v, rows * hidden * 4, links[rtt_ms]["link_Bps"], modes[v])
+                    cell = {"rtt_ms": rtt_ms, "act_kib": kib, "variant": v, "measured_s": measured(ranks, v),
+                            "predicted_s": pred, "compute": comp, "link": modes[v],
+                            "tcp": window_seen(ranks, v)}
+                    if earlier:
+                        cell["earlier_s"] = predict(ranks, v, rows * hidden * 4, earlier["link_Bps"],
+                                                    earlier["modes"])[0]
+                    cells.append(cell)
+                load.append(_load())
             drops = {k: v for k, v in link.drops().items() if v and not k.startswith("tcp_retrans")}
             if drops:
                 print(f"warning: the WAN emulator lost packets at {rtt_ms:g} ms: {drops}")
     return {"links": links, "cells": cells, "load": load}
+
+
+def _load() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
 
 def _read(ns, name: str) -> str | None:
@@ -186,13 +204,21 @@ def report(r: dict) -> None:
     from launch.plan.calibrated import choose
 
     cells = r["cells"]
-    print("the fit set: ping-pongs on each link (benchmarks.wan.link_constants), t = alpha + bytes / rate:")
+    def modes_text(modes: dict) -> str:
+        return ", ".join(f"{m}: {v['alpha_s'] * 1e3:.0f} ms + {v['Bps'] / 1e6:.1f} MB/s"
+                         for m, v in modes.items())
+
     for rtt, c in r["links"].items():
-        modes = ", ".join(f"{m}: {v['alpha_s'] * 1e3:.0f} ms + {v['Bps'] / 1e6:.1f} MB/s"
-                          for m, v in c["modes"].items())
-        print(f"  {rtt:g} ms: link {c['link_Bps'] / 1e6:.1f} MB/s; {modes}")
+        print(f"{rtt:g} ms: link {c['link_Bps'] / 1e6:.1f} MB/s (32 TCP streams)"
+              + (f"; earlier fit (separate processes before the cells): {modes_text(c['earlier']['modes'])}"
+                 if c["earlier"] else ""))
+    earlier = any("earlier_s" in c for c in cells)
+    print("the fit set of each cell: ping-pongs by its own ranks just before its timed steps "
+          "(launch.net.pingpong), t = alpha + bytes / rate; tcp: the largest advertised window (snd_wnd) and "
+          "socket buffers (rb/tb) of its WAN connections (ss)")
     print(f"{'RTT':>4} {'act':>6} {'variant':<12} {'measured':>9} {'predicted':>9} {'error':>7}  "
-          f"{'F0/B0/F1/B1 ms':<20}")
+          + (f"{'earlier fit':>11} {'error':>7}  " if earlier else "")
+          + f"{'F0/B0/F1/B1 ms':<16} {'this cell: alpha + rate':<22} tcp snd_wnd/rb/tb KiB")
     groups, within = {}, []
     for c in cells:
         err = c["predicted_s"] / c["measured_s"] - 1
@@ -200,14 +226,22 @@ def report(r: dict) -> None:
         within.append(abs(err) <= TOLERANCE)
         ms = "/".join(f"{getattr(c['compute'][s], k) * 1e3:.0f}" for s in (0, 1)
                       for k in ("forward", "backward"))
+        key = "stock" if c["variant"] == "stock" else c["variant"].split(":")[0]
+        own = c["link"][key]
+        tcp = c["tcp"]
         print(f"{c['rtt_ms']:>4g} {c['act_kib']:>4}Ki {c['variant']:<12} {c['measured_s']:>8.3f}s "
-              f"{c['predicted_s']:>8.3f}s {err:>+7.1%}  {ms:<20}")
+              f"{c['predicted_s']:>8.3f}s {err:>+7.1%}  "
+              + (f"{c['earlier_s']:>10.3f}s {c['earlier_s'] / c['measured_s'] - 1:>+7.1%}  "
+                 if earlier else "")
+              + f"{ms:<16} {own['alpha_s'] * 1e3:>3.0f} ms + {own['Bps'] / 1e6:>5.1f} MB/s      "
+              + (f"{tcp['snd_wnd_kib']:.0f}/{tcp['rb_kib']:.0f}/{tcp['tb_kib']:.0f} {','.join(tcp['cc'])}"
+                 if tcp else "-"))
         groups.setdefault((c["rtt_ms"], c["act_kib"]), []).append(c)
     choices = {}
     for (rtt, kib), g in groups.items():
         # what the planner would pick before running ATLAS: the stock run's compute, the link's constants
         best, _ = choose(g[0]["compute"], REPLICAS, MICRO_BATCHES, kib * 1024, r["links"][rtt]["link_Bps"],
-                         r["links"][rtt]["modes"], [c["variant"] for c in g])
+                         g[0]["link"], [c["variant"] for c in g])
         fastest = min(g, key=lambda c: c["measured_s"])
         by = {c["variant"]: c["measured_s"] for c in g}
         choices[f"{rtt:g}ms/{kib}KiB"] = {"chosen": best, "measured_best": fastest["variant"],
@@ -230,17 +264,16 @@ def report(r: dict) -> None:
           f"{misranked if misranked else 'same in every group'}")
     print("temporal gain (spatial s / temporal s): " + ", ".join(
         f"{k} measured {v['measured']:.2f}x predicted {v['predicted']:.2f}x" for k, v in gains.items()))
-    print(f"load average (1 min) during the matrix: {', '.join(f'{x:.1f}' for x in r['load'])}")
+    print("load (/proc/loadavg 1/5/15 min) before the matrix and after each launch: "
+          + "; ".join(" ".join(f"{x:.1f}" for x in load) for load in r["load"]))
     print(json.dumps({"bench": "atlas_calibration", "cells": [
-        {k: (round(v, 4) if isinstance(v, float) else v) for k, v in c.items() if k != "compute"}
+        {k: (round(v, 4) if isinstance(v, float) else v) for k, v in c.items()
+         if k not in ("compute", "link")}
         for c in cells],
         "within": sum(within), "of": len(within), "misranked": misranked, "temporal_gain": gains,
         "choices": choices,
-        "links": {str(k): {"link_MBps": round(v["link_Bps"] / 1e6, 1),
-                           "modes": {m: {"alpha_ms": round(x["alpha_s"] * 1e3, 1),
-                                         "MBps": round(x["Bps"] / 1e6, 2)} for m, x in v["modes"].items()}}
-                  for k, v in r["links"].items()},
-        "load1": [round(x, 1) for x in r["load"]]}))
+        "links": {str(k): {"link_MBps": round(v["link_Bps"] / 1e6, 1)} for k, v in r["links"].items()},
+        "loadavg": r["load"]}))
 
 
 if __name__ == "__main__":

@@ -54,26 +54,12 @@ def _plan(conns: int):
 
 def _pingpong(rank: int, send, recv, sizes_kib: list[int], repeats: int) -> dict[str, float]:
     """Median one-way seconds of a blocking send answered by a blocking send back, per size: how a
-    pipeline transfer after an idle gap costs (DeepSpeed's p2p: one blocking call at a time)."""
-    import torch
+    pipeline transfer after an idle gap costs (launch.net.pingpong.one_way, on rank 0's clock)."""
     import torch.distributed as dist
 
-    out = {}
-    for kib in sizes_kib:
-        x, times = torch.ones(kib * 256), []
-        for _ in range(repeats):
-            dist.barrier()
-            t0 = time.monotonic()
-            if rank == 0:
-                send(x)
-                recv(x)
-            else:
-                recv(x)
-                send(x)
-            times.append((time.monotonic() - t0) / 2)
-        out[str(kib)] = statistics.median(times)
-    # rank 0's clock spans the whole round trip (rank 1's send may return once its bytes are buffered)
-    obj = [out]
+    from launch.net.pingpong import one_way
+
+    obj = [one_way(rank == 0, send, recv, sizes_kib, repeats)["one_way"]]
     dist.broadcast_object_list(obj, src=0)
     return obj[0]
 
@@ -238,12 +224,11 @@ def link_constants(link, mib: int = 2, connections: str = "1,8", repeats: int = 
     4 MiB with k > 1 (both striped: STRIPE_MIN_BYTES is 1 MiB)."""
     _, rates, result, _ = measure_on(link, mib, connections, repeats, ",".join(map(str, PINGPONG_KIB)),
                                      nice=False)
+    from launch.net.pingpong import fit, sizes_kib
+
     out = {"link_Bps": max(rates), "modes": {}}
     for mode, r in result.items():
-        small, large = (64, 2048) if mode in ("stock", "1") else (1024, 4096)
-        t1, t2 = r["pingpong"][str(small)], r["pingpong"][str(large)]
-        rate = (large - small) * 1024 / max(t2 - t1, 1e-9)
-        out["modes"][mode] = {"alpha_s": max(0.0, t1 - small * 1024 / rate), "Bps": rate,
+        out["modes"][mode] = {**fit(r["pingpong"], sizes_kib(1 if mode == "stock" else int(mode))),
                               "pingpong_s": r["pingpong"]}
     return out
 
@@ -269,7 +254,7 @@ def main() -> None:
                [int(x) for x in a.pingpong.split(",") if x], not a.normal_priority)
         return
 
-    from launch.net import netns
+    from launch.net import netns, two_dc
     from launch.net.wanemu import WanLink
 
     ok, reason = netns.available()
@@ -279,10 +264,7 @@ def main() -> None:
     load_before = os.getloadavg()
     window = a.window_kib * 1024
     with WanLink(rtt=a.rtt_ms / 1e3, rate=a.rate_mbit * 1e6 / 8) as link:
-        for ns in (link.a, link.b):
-            ns.sysctl("net.ipv4.tcp_rmem", f"4096 131072 {window}")
-            ns.sysctl("net.ipv4.tcp_wmem", f"4096 16384 {window}")
-            ns.sysctl("net.ipv4.tcp_slow_start_after_idle", "0")
+        two_dc.cap_buffers(link, window)
         rtt, rates, result, drops = measure_on(link, a.mib, a.connections, a.repeats, a.pingpong,
                                                not a.normal_priority)
     load_after = os.getloadavg()

@@ -13,8 +13,10 @@ any partition into stages builds the same weights as :func:`reference_losses`.
 
 ``--variants stock,1:spatial,8:temporal,...`` times the same engine under each WAN setting in turn
 (``stock``: DeepSpeed's own p2p; ``K:MODE``: ATLAS with K connections and MODE sharing, undone after):
-``--warmup`` untimed steps, then ``--steps`` timed ones, and every instruction of DeepSpeed's engine
-timed on every rank (compute, send/recv waits, the reduce and optimizer step). ``--hidden`` and
+``--warmup`` untimed steps, ping-pongs on the variant's own connections (:func:`probe_link`), then
+``--steps`` timed ones, and every instruction of DeepSpeed's engine timed on every rank (compute,
+send/recv waits, the reduce and optimizer step); ``--passes 2`` visits the variants once more in
+reverse order. ``--hidden`` and
 ``--micro-batch`` set the activation each micro-batch sends: micro-batch x hidden x 4 bytes (fp32).
 benchmarks/atlas_calibration.py runs this on the emulated WAN and compares it with the simulator.
 """
@@ -125,32 +127,69 @@ def time_instructions(engine, seconds: dict[str, list[float]]) -> None:
 
 
 def measure(plan, variants: list[str], steps: int, warmup: int, hidden: int, rows: int,
-            enable) -> dict:
-    """Per variant: this rank's seconds per ``train_batch`` and per engine instruction (timed steps only)."""
+            enable, probe, passes: int = 1) -> dict:
+    """Per variant: this rank's seconds per ``train_batch`` and per engine instruction (timed steps
+    only), and ``probe(handle, connections)`` of the link taken just before the timed steps (after
+    the warm-up: the connections the steps use, in the state the steps leave them). ``passes`` 2
+    visits the variants in order and then in reverse (A B C C B A), ``steps`` timed steps each visit:
+    a machine load that drifts during the launch then weighs on every variant alike."""
     engine = engine_for(plan, hidden, rows)
-    out, step = {}, 0
-    for variant in variants:
-        handle = None
+    order = variants + variants[::-1] * (passes - 1)
+    acc = {v: {"step_s": [], "seconds": {}, "pingpong_s": [], "tcp": []} for v in variants}
+    step = 0
+    for variant in order:
+        handle, k = None, 1
         if variant != "stock":
             k, mode = variant.split(":")
             handle = enable(plan, int(k), mode)
         for _ in range(warmup):
             _step(engine, plan, step, hidden, rows)
             step += 1
-        seconds: dict[str, list[float]] = {}
-        time_instructions(engine, seconds)
-        times = []
+        link, got = probe(handle, int(k)), acc[variant]
+        got["pingpong_s"] += [link["pingpong_s"]] if link["pingpong_s"] else []
+        got["tcp"] = link["tcp"]
+        time_instructions(engine, got["seconds"])
         for _ in range(steps):
             t0 = time.perf_counter()
             _step(engine, plan, step, hidden, rows)
-            times.append(time.perf_counter() - t0)
+            got["step_s"].append(time.perf_counter() - t0)
             step += 1
         del engine._INSTRUCTION_MAP          # back to the class's map
         if handle is not None:
             handle.undo()
-        out[variant] = {"step_s": times, "ops": {k: statistics.median(v) for k, v in seconds.items()},
-                        "op_count": {k: len(v) for k, v in seconds.items()}}
-    return out
+    return {v: {"step_s": a["step_s"], "ops": {k: statistics.median(x) for k, x in a["seconds"].items()},
+                "ops_total_s": sum(map(sum, a["seconds"].values())),
+                "op_count": {k: len(x) for k, x in a["seconds"].items()},
+                "link": {"pingpong_s": a["pingpong_s"], "tcp": a["tcp"]}} for v, a in acc.items()}
+
+
+def probe_link(plan, handle, connections: int, far: set[str] | None) -> dict:
+    """The link as this rank's sends see it: ping-pongs over the way the pipeline sends (DeepSpeed's
+    world-group p2p without ``handle``, ATLAS's WAN groups with it; launch.net.pingpong) and the
+    kernel's view of this namespace's connections to the far data center (launch.net.sockets.tcp_info)."""
+    import torch.distributed as dist
+
+    from commweave import comm
+    from launch.net.pingpong import pipeline_pingpong
+    from launch.net.sockets import tcp_info
+
+    me = dist.get_rank()
+    if handle is None:
+        def send(t, peer):
+            comm.send(t, peer, dist.group.WORLD)
+
+        def recv(t, peer):
+            comm.recv(t, peer, dist.group.WORLD)
+    else:
+        def send(t, peer):
+            handle.wan.isend(t, me, peer).wait()
+
+        def recv(t, peer):
+            handle.wan.irecv(t, me, peer).wait()
+    seconds = pipeline_pingpong(plan.wan_pairs(), me, send, recv, connections, dist.barrier)
+    keep = ("snd_wnd", "rcv_space", "rcv_ssthresh", "rb", "tb", "cwnd", "minrtt", "mss", "bytes_acked",
+            "bytes_received", "cc", "local", "peer")
+    return {"pingpong_s": seconds, "tcp": [{k: c[k] for k in keep if k in c} for c in tcp_info(far)]}
 
 
 def main() -> None:
@@ -163,6 +202,8 @@ def main() -> None:
     ap.add_argument("--variants", default=None,
                     help="comma list of stock and K:spatial|temporal to time in turn (see the docstring)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps before each variant's timed steps")
+    ap.add_argument("--passes", type=int, default=1, choices=(1, 2),
+                    help="2: the variants in order, then in reverse (--steps timed steps each visit)")
     ap.add_argument("--hidden", type=int, default=HIDDEN)
     ap.add_argument("--micro-batch", type=int, default=MICRO_BATCH, help="rows per micro-batch")
     args = ap.parse_args()
@@ -212,7 +253,8 @@ def main() -> None:
             return atlas.enable_deepspeed(plan, connections=k, sharing=mode)
 
         report["variants"] = measure(plan, variants, args.steps, args.warmup, args.hidden, args.micro_batch,
-                                     enable_variant)
+                                     enable_variant, lambda handle, k: probe_link(plan, handle, k, far),
+                                     args.passes)
         report["act_bytes"] = args.micro_batch * args.hidden * 4
     else:
         report["losses"] = train(args.steps, plan, enable)

@@ -12,18 +12,15 @@ is removed on exit (launch.net.netns.Lab). Needs root; without it :func:`pipelin
 The WAN is configs/atlas_two_dc.json scaled down to this machine: 40 ms RTT, and one TCP connection
 carrying 1/25 of the link as Linux's default buffers (2 MiB effective) do on two_dc's 10 Gb/s
 (400 Mbit/s here, 128 KiB buffers). Each row carries the calibrated simulator's prediction
-(launch.plan.calibrated): the link's rate and what one transfer costs on it, stock and with ATLAS's
-connections, from ping-pongs on the emulated link just before (benchmarks.wan.link_constants), and
-each run's own per-instruction compute times as DeepSpeed's engine timed them.
+(launch.plan.calibrated): the link's rate (32 plain TCP streams, benchmarks.wan.link_rate), what one
+transfer costs on it, from ping-pongs by the run's own ranks on its own connections just before its
+timed steps (launch.net.pingpong: stock over DeepSpeed's world group, ATLAS over its WAN groups), and
+each run's own per-instruction compute times as DeepSpeed's engine timed them. The launch itself is
+launch.net.two_dc's, shared with the calibration matrix.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,60 +36,21 @@ class PipelineResult(Result):
 ROOT = Path(__file__).resolve().parents[2]
 NODE_TIMEOUT = 900
 MICRO_BATCHES = 4
-# The variables a launched rank inherits from the main job's own launcher; the nodes get their own.
-_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-             "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE", "GROUP_RANK", "ROLE_RANK", "GLOO_SOCKET_IFNAME",
-             "NCCL_SOCKET_IFNAME")
 
 
 @dataclass(frozen=True)
 class Wan:
     rtt_ms: float = 40.0
     rate_mbit: float = 400.0
-    window_kib: int = 128         # TCP buffer cap: one connection ~ 0.6 x window / RTT (~2 MB/s here)
+    window_kib: int = 128         # TCP buffer cap: one connection ~ 0.7 x window / RTT (~2 MB/s here)
     micro: int = 8                # sequences per micro-batch: [256, 8, 128] fp32 = 1 MiB per transfer
 
     def describe(self) -> str:
         return f"2 DCs, RTT {self.rtt_ms:g} ms, {self.rate_mbit:g} Mbit/s, TCP buffers {self.window_kib} KiB"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _topology(link, slots: int, wan: Wan, window: float) -> dict:
-    def dc(host: str, addr: str, ifname: str) -> dict:
-        return {"hosts": [{"name": host, "slots": slots, "addr": addr}], "ifname": ifname}
-
-    return {"datacenters": {"west": dc("w0", link.addr_a, link.ifname_a),
-                            "east": dc("e0", link.addr_b, link.ifname_b)},
-            "wan": [{"between": ["west", "east"], "rtt_ms": wan.rtt_ms,
-                     "bandwidth_gbps": wan.rate_mbit / 1e3, "window_mb": window / 2**20}],
-            "model": {"layers": 2, "hidden": 128, "seq": 256, "micro_batch": wan.micro, "dtype_bytes": 4,
-                      "global_batch": wan.micro * MICRO_BATCHES * slots, "pp": 2, "tp": 1, "dp": slots}}
-
-
-def _run(link, topo_path: Path, out: Path, connections: int, sharing: str, stock: bool,
-         job_args: list[str]) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-    env.update(PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    port = str(_free_port())
-    procs = []
-    for ns, where in ((link.a, ["--atlas-host", "w0"]), (link.b, ["--node_rank", "1"])):
-        cmd = ["timeout", str(NODE_TIMEOUT), sys.executable, "-m", "launch",
-               "--atlas-topology", str(topo_path), "--wan-connections", str(connections),
-               "--atlas-sharing", sharing, "--no_ssh", *where, "--master_port", port,
-               str(ROOT / "examples" / "gpt" / "pipeline.py"), "--out", str(out), *job_args,
-               *(["--stock-p2p"] if stock else [])]
-        procs.append(link.lab.popen(ns, cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate(timeout=NODE_TIMEOUT + 60)[0] for p in procs]
-    for p, log in zip(procs, logs, strict=True):
-        if p.returncode:
-            raise RuntimeError(f"a pipeline node exited {p.returncode}:\n{log[-5000:]}")
-    return [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
+    def model(self, slots: int) -> dict:
+        return {"layers": 2, "hidden": 128, "seq": 256, "micro_batch": self.micro, "dtype_bytes": 4,
+                "global_batch": self.micro * MICRO_BATCHES * slots, "pp": 2, "tp": 1, "dp": slots}
 
 
 def _result(name: str, ranks: list[dict], predicted_s: float, free_s: float) -> PipelineResult:
@@ -119,40 +77,43 @@ def pipeline_rows(deepspeed_config: str, connections: int = 8, wan: Wan = Wan(),
     ok, reason = netns.available()
     if not ok:
         return reason
-    from benchmarks.wan import link_constants
+    from benchmarks.wan import link_rate
+    from launch.net import two_dc
+    from launch.net.pingpong import combine
     from launch.plan.calibrated import LinkMode, WanSetting, compute_inputs, step_seconds
 
     args = ["--deepspeed_config", deepspeed_config, "--micro", str(wan.micro),
             "--micro-batches", str(MICRO_BATCHES), *job_args]
+    script = ROOT / "examples" / "gpt" / "pipeline.py"
     rows = []
     with WanLink(rtt=wan.rtt_ms / 1e3, rate=wan.rate_mbit * 1e6 / 8) as link, \
             tempfile.TemporaryDirectory(prefix="atlas-rows-") as tmp:
-        for ns in (link.a, link.b):
-            ns.sysctl("net.ipv4.tcp_rmem", f"4096 131072 {wan.window_kib * 1024}")
-            ns.sysctl("net.ipv4.tcp_wmem", f"4096 16384 {wan.window_kib * 1024}")
-            ns.sysctl("net.ipv4.tcp_slow_start_after_idle", "0")
-        # the link constants, measured on it (ping-pongs, stock and with ATLAS's connections); the
-        # launched plan's window: what one stock connection reached
-        constants = link_constants(link, connections=f"1,{connections}")
-        window = constants["modes"]["stock"]["Bps"] * wan.rtt_ms / 1e3
-        topo = Path(tmp, "topology.json")
-        topo.write_text(json.dumps(_topology(link, 2, wan, window)))
-        for name, conns, sharing, stock, what in (
-                ("pipeline", 1, "spatial", True,
-                 f"DeepSpeed pipeline sends, 1 TCP connection ({wan.describe()})"),
-                ("pipeline+ATLAS", connections, "spatial", False,
+        two_dc.cap_buffers(link, wan.window_kib * 1024)
+        # the link's rate (32 plain TCP streams); what one transfer costs, each run measures on its own
+        # connections just before its timed steps (ping-pongs, launch.net.pingpong)
+        bandwidth = link_rate(link)
+        topo = two_dc.topology(link, 2, wan.rtt_ms, wan.rate_mbit, wan.window_kib * 1024, wan.model(2))
+        # one launch trains both rows, each from the same seeded weights (examples/gpt/pipeline.py --rows)
+        ranks = two_dc.launch(link, topo, Path(tmp), script, [*args, "--rows", "stock,atlas"],
+                              ["--wan-connections", str(connections), "--atlas-sharing", "spatial"],
+                              NODE_TIMEOUT)
+        for name, row, conns, what in (
+                ("pipeline", "stock", 1, f"DeepSpeed pipeline sends, 1 TCP connection ({wan.describe()})"),
+                ("pipeline+ATLAS", "atlas", connections,
                  f"ATLAS: {connections} TCP connections, spatial sharing ({wan.describe()})")):
-            ranks = _run(link, topo, Path(tmp, name), conns, sharing, stock, args)
-            compute = compute_inputs([(r["stage"], r["ops"]) for r in ranks], 2)
-            setting = "stock" if stock else f"{conns}:{sharing}"
-            predicted = step_seconds(compute, 2, MICRO_BATCHES, ranks[0]["act_bytes"], constants["link_Bps"],
-                                     LinkMode.from_measured(constants["modes"], setting,
-                                                            ranks[0]["act_bytes"]),
-                                     WanSetting.parse(setting))
-            free = step_seconds(compute, 2, MICRO_BATCHES, ranks[0]["act_bytes"], 1e18, LinkMode(0.0, 1e18),
-                                WanSetting.parse(setting))
-            rows.append((_result(name, ranks, predicted, free),
-                         f"{what}; predicted {predicted * 1e3:.0f} ms/step"))
+            runs = [r["rows"][row] for r in ranks]
+            compute = compute_inputs([(r["stage"], r["ops"]) for r in runs], 2)
+            setting = "stock" if row == "stock" else f"{conns}:spatial"
+            act, m = runs[0]["act_bytes"], runs[0]["micro_batches"]
+            mode = combine([r["link"]["pingpong_s"] for r in runs if r["link"]["pingpong_s"]], conns)
+            modes = {"stock" if row == "stock" else str(conns): mode}
+            predicted = step_seconds(compute, 2, m, act, bandwidth,
+                                     LinkMode.from_measured(modes, setting, act), WanSetting.parse(setting))
+            free = step_seconds(compute, 2, m, act, 1e18, LinkMode(0.0, 1e18), WanSetting.parse(setting))
+            rows.append((_result(name, runs, predicted, free),
+                         f"{what}; predicted {predicted * 1e3:.0f} ms/step (a transfer: "
+                         f"{mode['alpha_s'] * 1e3:.0f} ms + {mode['Bps'] / 1e6:.1f} MB/s, "
+                         "measured in the run)"))
         lost = {k: v for k, v in link.drops().items() if v and not k.startswith("tcp_retrans")}
     if lost:     # the emulator itself lost packets: the WAN was not what it claims to be
         rows = [(res, f"{what}; WAN emulator drops {lost}") for res, what in rows]

@@ -9,13 +9,16 @@ those of the main job (examples/gpt/model.py) with the whole sequence on every r
 attention: context parallelism stays inside a data center) and DeepSpeed MoE layers (swapped to Parm
 by the config) whose experts are spread over the two DP ranks of their stage (EP 2, all-to-all inside
 the data center). Stage 0 sends [seq, micro, hidden] activations across the WAN, stage 1 their
-gradients back. ``--stock-p2p`` keeps DeepSpeed's pipeline sends (one TCP connection per pair, both
-pipelines on the WAN at once); otherwise ``launch.run.runtime.enable_deepspeed`` stripes them over the
-launcher's ``--wan-connections``, sharing the WAN as ``--atlas-sharing`` says.
+gradients back. ``--rows stock,atlas`` trains twice in one launch, each time from the same seeded
+weights with a fresh engine: ``stock`` keeps DeepSpeed's pipeline sends (one TCP connection per pair,
+both pipelines on the WAN at once), ``atlas`` has ``launch.run.runtime.enable_deepspeed`` stripe them
+over the launcher's ``--wan-connections``, sharing the WAN as ``--atlas-sharing`` says (one launch for
+both saves a launcher and four ranks starting DeepSpeed: about a minute on this loaded machine).
 
-Every rank writes ``rank<N>.json`` to ``--out``: train losses, held-out loss, step times, bytes sent
+Every rank writes ``rank<N>.json`` to ``--out``, per row: train losses, held-out loss, step times, bytes sent
 per step by kind, the median seconds of each instruction of DeepSpeed's engine over the timed steps
-(what launch.plan.calibrated predicts the step time from), and the WAN settings it ran with.
+and the ping-pongs of its WAN pair just before them (what launch.plan.calibrated predicts the step
+time from: examples.atlas_pipeline.probe_link), and the WAN settings it ran with.
 """
 
 from __future__ import annotations
@@ -114,20 +117,17 @@ def main() -> None:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--capacity-factor", type=float, default=2.0)
     p.add_argument("--aux-loss-coef", type=float, default=0.01)
-    p.add_argument("--stock-p2p", action="store_true", help="DeepSpeed's own pipeline sends (no ATLAS)")
+    p.add_argument("--rows", default="atlas",
+                   help="comma list of runs, each from the same initial weights: stock (DeepSpeed's own "
+                        "pipeline sends) and/or atlas")
     p.add_argument("--deepspeed_config", default=str(ROOT / "configs" / "gpt_cpu.json"))
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
 
     import deepspeed
     import torch.distributed as dist
-    from deepspeed.pipe import LayerSpec, PipelineModule
 
-    import ds_plugins
     import launch.run.runtime as atlas
-    from commweave import ledger
-    from examples.atlas_pipeline import time_instructions
-    from examples.gpt.train import counted
 
     plan = atlas.init()
     if plan is None or plan.pp != 2:
@@ -135,6 +135,30 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(1)
     args.dp = plan.dp
+    rows = args.rows.split(",")
+    if not rows or any(r not in ("stock", "atlas") for r in rows) or len(set(rows)) != len(rows):
+        raise ValueError(f"--rows {args.rows!r}: a comma list of distinct 'stock' and 'atlas'")
+    corpus = data.Corpus.load()
+    far = {h.addr for h in plan.hosts if h.dc != plan.dc_of(dist.get_rank()) and h.addr} or None
+    out = {"rank": dist.get_rank(), "rows": {}}
+    for row in rows:
+        out["rows"][row] = train_row(args, plan, corpus, far, stock=row == "stock")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{dist.get_rank()}.json").write_text(json.dumps(out))
+    dist.barrier()
+
+
+def train_row(args, plan, corpus, far, stock: bool) -> dict:
+    """One run from the seeded initial weights (a fresh model and engine): this rank's report."""
+    import torch.distributed as dist
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    import ds_plugins
+    import launch.run.runtime as atlas
+    from commweave import ledger
+    from examples.atlas_pipeline import probe_link, time_instructions
+    from examples.gpt.train import counted
+
     specs = [LayerSpec(EmbedPipe, args.hidden, args.seq)]
     specs += [LayerSpec(BlockPipe, args.hidden, args.heads, args.ffn, args.experts, plan.dp, args.k,
                         args.capacity_factor) for _ in range(args.layers)]
@@ -149,11 +173,12 @@ def main() -> None:
                   train_batch_size=args.micro * args.micro_batches * plan.dp)
     config.pop("scheduler", None)
     engine, *_ = ds_plugins.initialize(model=model, model_parameters=model.parameters(), config=config)
-    wan = None if args.stock_p2p else atlas.enable_deepspeed(plan)
-    corpus = data.Corpus.load()
-    book, losses, step_ms, op_seconds = ledger.Ledger(), [], [], {}
+    wan = None if stock else atlas.enable_deepspeed(plan)
+    book, losses, step_ms, op_seconds, link = ledger.Ledger(), [], [], {}, None
     for step in range(args.steps):
         if step == args.warmup_steps:
+            # the link as the timed steps' sends see it, measured just before them (launch.net.pingpong)
+            link = probe_link(plan, wan, 1 if wan is None else wan.wan.connections, far)
             time_instructions(engine, op_seconds)
         batches = iter(_batches(corpus, "train", step, replica, args))
         start = time.perf_counter()
@@ -166,19 +191,19 @@ def main() -> None:
         del engine._INSTRUCTION_MAP
     held_out = float(engine.eval_batch(iter(_batches(corpus, "held_out", 0, replica, args))))
     timed = args.steps - args.warmup_steps
-    report = {"rank": dist.get_rank(), "stage": stage, "replica": replica, "dc": plan.dc_of(dist.get_rank()),
+    report = {"stage": stage, "replica": replica, "dc": plan.dc_of(dist.get_rank()),
               "losses": losses, "held_out": held_out, "step_ms": step_ms,
               "tokens_per_step": args.micro * args.micro_batches * plan.dp * args.seq,
               "sent": {k: v["sent"] / timed for k, v in book.as_dict().items() if v["sent"]},
               "ops": {k: statistics.median(v) for k, v in op_seconds.items()},
               "act_bytes": args.seq * args.micro * args.hidden * 4,      # [s, b, h] fp32 (the CPU config)
-              "wan_connections": int(os.environ.get(atlas.ENV_CONNS, "1")),
-              "sharing": os.environ.get(atlas.ENV_SHARING, "spatial"), "stock_p2p": args.stock_p2p}
+              "wan_connections": 1 if stock else wan.wan.connections,
+              "sharing": os.environ.get(atlas.ENV_SHARING, "spatial"), "stock_p2p": stock,
+              "link": link, "micro_batches": args.micro_batches}
     if wan is not None:
         wan.undo()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
     dist.barrier()
+    return report
 
 
 if __name__ == "__main__":

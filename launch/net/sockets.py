@@ -15,8 +15,10 @@ per-group NCCL config (``net_name: socket``) on every group that crosses the WAN
 from __future__ import annotations
 
 import os
+import re
 import socket
 import struct
+import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -76,6 +78,26 @@ def established_connections(remote: set[str] | None = None, net_dir: str = "/pro
         if remote is None or peer in remote:
             count += 1
     return count
+
+
+def tcp_info(remote: set[str] | None = None, text: str | None = None) -> list[dict]:
+    """The kernel's view of each TCP connection to the ``remote`` addresses (all: None) in this
+    network namespace, from ``ss -tinmH`` (or its ``text``): the numeric tcp_info fields (``snd_wnd``:
+    the window the peer advertises, ``rcv_space``, ``cwnd``, ``minrtt`` ms, ``bytes_acked``, ...), the
+    socket buffers (``rb``/``tb``: SO_RCVBUF/SO_SNDBUF as autotuned), the congestion control, the
+    peer. What tells whether a run's window is the one a model assumes."""
+    if text is None:
+        text = subprocess.run(["ss", "-tinmH"], capture_output=True, text=True, check=False).stdout
+    lines, out = text.splitlines(), []
+    for head, info in zip(lines[::2], lines[1::2], strict=False):
+        peer = head.split()[4].rsplit(":", 1)[0] if len(head.split()) > 4 else ""
+        if remote is not None and peer not in remote:
+            continue
+        fields: dict = {k: float(v) for k, v in re.findall(r"\b(\w+):([\d.]+)(?![\d./])", info)}
+        fields.update({k: int(v) for k, v in re.findall(r"\b(rb|tb)(\d+)", info)})
+        cc = re.search(r"\)\s+(\w+)\s+wscale", info)
+        out.append({**fields, "peer": peer, "local": head.split()[3], "cc": cc.group(1) if cc else "?"})
+    return out
 
 
 def socket_inodes(fd_dir: str = "/proc/self/fd") -> set[int]:

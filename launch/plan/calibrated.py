@@ -35,10 +35,28 @@ class StageCompute:
 
 @dataclass(frozen=True, slots=True)
 class LinkMode:
-    """One transfer alone on the link after an idle gap: ``alpha + bytes / rate`` seconds."""
+    """One transfer alone on the link after an idle gap: ``alpha + bytes / rate`` seconds; and, where
+    the ping-pongs timed it, how long the sender's call took to return at each size (``send_return``:
+    (bytes, seconds) points): a send returns once its last bytes sit in the kernel's socket buffers."""
 
     alpha: float
     rate: float
+    send_return: tuple[tuple[float, float], ...] = ()
+
+    def returns_before_arrival(self, nbytes: float) -> bool:
+        """Whether a send of ``nbytes`` returns before any of its bytes can have arrived (its call
+        shorter than alpha, which holds the one-way latency): the whole transfer went into the socket
+        buffers at once. Linear between the measured sizes (a send's call grows with the bytes beyond
+        the buffers), the nearest size outside them; False where nothing was measured."""
+        points = sorted(self.send_return)
+        if not points:
+            return False
+        (b1, t1), (b2, t2) = (points[0], points[-1]) if len(points) > 1 else (points[0], points[0])
+        if nbytes <= b1 or b1 == b2:
+            t = t1 if nbytes <= b1 else t2
+        else:
+            t = t1 + (t2 - t1) * (min(nbytes, b2) - b1) / (b2 - b1)
+        return t < self.alpha
 
     @classmethod
     def from_measured(cls, modes: Mapping[str, Mapping[str, float]], setting: str,
@@ -51,7 +69,9 @@ class LinkMode:
             key = "1" if "1" in modes else "stock"
         if key not in modes:
             raise ValueError(f"link constants: no measurement for {key!r} (measured: {sorted(modes)})")
-        return cls(float(modes[key]["alpha_s"]), float(modes[key]["Bps"]))
+        m = modes[key]
+        returns = tuple((float(kib) * 1024, float(t)) for kib, t in m.get("send_return_s", {}).items())
+        return cls(float(m["alpha_s"]), float(m["Bps"]), returns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +118,19 @@ def step_seconds(compute: Sequence[StageCompute], replicas: int, micro_batches: 
     cut = (S - 1) // 2 if wan_boundary is None else wan_boundary
     # below STRIPE_MIN_BYTES ATLAS sends a transfer whole, over one connection (mode: that connection's)
     streams = wan.connections if act_bytes >= STRIPE_MIN_BYTES else 1
+    # Temporal sharing holds a replica's token while its send call runs (launch/net/wan_p2p.py). Where
+    # that call returns before any byte can have arrived (the transfer fits the socket buffers: striped
+    # 1 MiB over 8 connections returned in 3 ms against 29 ms one way, calibration 2026-12-02), the
+    # token passes at once and the replicas' transfers share the link as with spatial sharing; the
+    # token order itself costs nothing in a simulation whose replicas run in lockstep.
+    sharing = wan.sharing
+    if sharing == "temporal" and mode.returns_before_arrival(act_bytes):
+        sharing = "spatial"
     wan_route = Route(mode.alpha, bandwidth, ("a", "b"), streams, mode.rate / streams)
     routes = tuple((wan_route if e == cut else Route(0.0, float("inf")),) * replicas for e in range(S - 1))
     job = Job(tuple((c.forward,) * replicas for c in compute),
               tuple((c.backward,) * replicas for c in compute), routes, act_bytes, micro_batches,
-              "deepspeed", wan.sharing, tuple(Collective(c.step) for c in compute))
+              "deepspeed", sharing, tuple(Collective(c.step) for c in compute))
     return simulate(job).iteration
 
 

@@ -38,3 +38,20 @@ def test_gloo_ifname_and_megatron_config():
     # transport; the groups inside a stage (DP/TP/CP/EP) untouched
     assert sockets.megatron_nccl_config(True) == "".join(
         f"{g}:\n  net_name: socket\n" for g in ("pp", "mp", "embd", "pos_embd", "tp_ep_pp"))
+
+
+SS = """ESTAB 0      0               10.201.0.1:38729          10.201.0.2:40916
+\t skmem:(r0,rb262144,t0,tb262144,f0,w0,o0,bl0,d0) bbr wscale:10,10 rto:244 rtt:41.2/0.5 mss:8948 \
+cwnd:34 bytes_acked:9437185 bytes_received:12 minrtt:40.05 rcv_space:89480 snd_wnd:183296
+ESTAB 0      0               127.0.0.1:44566          127.0.0.1:43805
+\t skmem:(r0,rb131072,t0,tb4194304,f0,w0,o0,bl0,d0) cubic wscale:10,10 rtt:0.004/0.002 cwnd:11 snd_wnd:65536
+"""
+
+
+def test_tcp_info_reads_windows_and_buffers():
+    (far,) = sockets.tcp_info({"10.201.0.2"}, SS)
+    assert far["snd_wnd"] == 183296 and far["rb"] == 262144 and far["tb"] == 262144
+    assert far["cwnd"] == 34 and far["minrtt"] == 40.05 and far["bytes_acked"] == 9437185
+    assert far["cc"] == "bbr" and far["peer"] == "10.201.0.2" and far["local"] == "10.201.0.1:38729"
+    assert "rtt" not in far            # "rtt:41.2/0.5" is smoothed/variance, not one number
+    assert [c["cc"] for c in sockets.tcp_info(None, SS)] == ["bbr", "cubic"]

@@ -61,3 +61,23 @@ def test_choose_claims_temporal_only_beyond_the_margin():
     best, _ = choose(compute, 2, 4, 1.0, 1.0, modes, ["1:spatial", "1:temporal"], margin=10.0,
                      allow_temporal=True)
     assert best == "1:spatial"
+
+
+def test_temporal_token_passes_when_the_send_returns_before_its_bytes_arrive():
+    """A send returning within alpha went whole into the socket buffers: temporal sharing's token passes
+    at once and the replicas share the link as with spatial sharing; a send that returns late holds it."""
+    mib = 2**20
+    measured = {"8": {"alpha_s": 0.008, "Bps": 5e7, "send_return_s": {"1024": 0.003, "4096": 0.07}}}
+    mode = LinkMode.from_measured(measured, "8:temporal", mib)
+    assert mode.send_return == ((mib, 0.003), (4 * mib, 0.07))
+    assert mode.returns_before_arrival(mib) and not mode.returns_before_arrival(4 * mib)
+    # linear between the sizes: 0.003 + 0.067 * (1.2 - 1) / 3 = 0.0075 < alpha; at 1.5 MiB 0.014
+    assert mode.returns_before_arrival(1.2 * mib) and not mode.returns_before_arrival(1.5 * mib)
+    assert not LinkMode(0.008, 5e7).returns_before_arrival(1)       # nothing measured: the token is held
+    compute = [StageCompute(0.02, 0.03, 0.01)] * 2
+    late = LinkMode(0.008, 5e7, ((mib, 0.05), (4 * mib, 0.2)))
+    spatial, temporal = (step_seconds(compute, 2, 4, mib, 5e7, m, WanSetting(8, s)) for m, s in
+                         ((mode, "spatial"), (mode, "temporal")))
+    assert temporal == spatial
+    held = step_seconds(compute, 2, 4, mib, 5e7, late, WanSetting(8, "temporal"))
+    assert held != step_seconds(compute, 2, 4, mib, 5e7, late, WanSetting(8, "spatial"))

@@ -48,6 +48,7 @@ import tempfile
 import time
 
 from commweave.world import World
+from launch.bubbletea.windows import WAITS
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -175,12 +176,32 @@ def bench_rank(cfg: dict) -> dict:
         "skipped": server.stats.skipped, "closed": server.stats.closed,
         "counters": {k: v for k, v in server.counters().items() if k != "memory"},
         "memory": server.memory, "starved": bt.starved, "window_report": bt.window_report(),
+        "time": where_time_goes(list(its)[cfg["warmup"]:]),
     }
     out["tokens_per_s"] = server.stats.tokens / max(sum(it.wall for it in on), 1e-9)
     bt.undo()
     server.stop()
     wan.undo()
     torch.distributed.barrier()
+    return out
+
+
+def where_time_goes(its: list) -> dict:
+    """Where an iteration's time goes, prefill off against on: per instruction kind the median over
+    iterations of its summed time (ms), and how far the on-iterations' chunks ran into training (a chunk
+    still running after the wait it started in had returned: count and ms in all)."""
+    kinds = sorted({op.kind for it in its for op in it.ops})
+    out = {"ms": {k: [round(1e3 * _median([sum(op.end - op.start for op in it.ops if op.kind == k)
+                                          for it in its if it.prefill_on == on]), 3) for on in (False, True)]
+                  for k in kinds}}
+    into, into_s = 0, 0.0
+    for it in its:
+        waits = [op for op in it.ops if op.kind in WAITS]
+        for a, b in it.prefill:
+            op = next((w for w in waits if w.start <= a <= w.end), None)
+            if op is not None and b > op.end:
+                into, into_s = into + 1, into_s + (b - op.end)
+    out["into_training"], out["into_training_ms"] = into, round(1e3 * into_s, 2)
     return out
 
 
@@ -237,13 +258,15 @@ def atlas_plan(cfg: dict):
 def simulated_windows(cfg: dict, bt, engine) -> list:
     """This rank's windows from ATLAS's simulator: the pipeline as a :class:`launch.plan.simulate.Job`
     whose forward and backward times are the warm-up's (medians, gathered from every rank) and whose
-    boundary is the WAN (latency one way, the link's rate), simulated, its gaps mapped onto the rank's
-    wait instructions (:func:`launch.bubbletea.windows.plan_windows`)."""
+    boundary is the WAN (latency one way, the link's rate), simulated as DeepSpeed's engine runs it
+    (``--plan-schedule deepspeed``, :func:`launch.bubbletea.windows.deepspeed_plan`; ``1f1b``: the
+    idealised schedule, for comparison), its gaps mapped onto the rank's wait instructions
+    (:func:`launch.bubbletea.windows.plan_windows`)."""
     import torch
     import torch.distributed as dist
 
     from commweave import comm
-    from launch.bubbletea.windows import instruction_names, plan_windows
+    from launch.bubbletea.windows import deepspeed_plan, instruction_names, plan_windows
     from launch.plan.simulate import Job, Route, simulate
 
     its = list(bt.iterations)[-cfg["warmup"]:]       # ops are per micro-batch: a median is t_f, t_b
@@ -258,9 +281,10 @@ def simulated_windows(cfg: dict, bt, engine) -> list:
     job = Job(tuple(tuple(float(per[s, d, 0]) for d in range(D)) for s in range(S)),
               tuple(tuple(float(per[s, d, 1]) for d in range(D)) for s in range(S)),
               routes, act_bytes=4.0 * cfg["batch"] * cfg["hidden"], micro_batches=M)
-    result = simulate(job)
+    result = deepspeed_plan(job) if cfg["plan_schedule"] == "deepspeed" else simulate(job)
     return plan_windows(result.ops, result.iteration, (engine.stage_id, engine.grid.get_data_parallel_id()),
-                        instruction_names(M, S, engine.stage_id), lane=dist.get_rank())
+                        instruction_names(M, S, engine.stage_id), lane=dist.get_rank(),
+                        transfers=result.transfers)
 
 
 def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> dict:
@@ -337,6 +361,9 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
                      "plan_vs_measured": w["median_rel_diff"], "plan_s": w["plan_s"],
                      "measured_s": w["measured_s"],
                      "recalibrated": c["recalibrated"], "kv_cap": r["memory"].get("cap"),
+                     "late": c["late"], "late_ms": 1e3 * c["late_s"],
+                     "cost_ratio_median": c["cost_ratio_median"], "cost_ratio_p90": c["cost_ratio_p90"],
+                     "time": r["time"],
                      "kv_peak": r["memory"].get("kv_peak"),
                      "starved": r["chunks"] == 0 or share < 0.5 * even})
     print()
@@ -351,6 +378,17 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
               f"{100 * x['slowdown']:+.2f}% | {1e3 * x['plan_s']:.1f} / {1e3 * x['measured_s']:.1f} ms, "
               f"{diff} | "
               f"{(x['kv_peak'] or 0) / 2**20:.1f} / {(x['kv_cap'] or 0) / 2**30:.1f} GiB |")
+    print()
+    print("Chunks against their windows and training, per rank: late = ended after its window's planned end; "
+          "into training = still running when the wait it started in returned; measured / predicted cost. "
+          "Then ms per iteration by instruction, prefill off -> on (median).")
+    for x in rows:
+        t = x["time"]
+        ratio = ("-" if x["cost_ratio_median"] is None else
+                 f"{x['cost_ratio_median']:.2f} / {x['cost_ratio_p90']:.2f}")
+        print(f"rank {x['rank']}: late {x['late']} of {x['chunks']} ({x['late_ms']:.1f} ms), into training "
+              f"{t['into_training']} ({t['into_training_ms']:.1f} ms), measured/predicted median / p90 {ratio}; "
+              + ", ".join(f"{k} {a:.1f} -> {b:.1f}" for k, (a, b) in t["ms"].items()))
     for x in rows:
         if x["starved"]:
             print(f"WARNING: rank {x['rank']}'s prefill service is starved: {x['chunks']} chunks, "
@@ -395,6 +433,9 @@ def main(argv: list[str] | None = None) -> None:
                          "--lm-layers, saved to a temporary directory (nothing downloaded)")
     ap.add_argument("--windows", choices=("measured", "plan", "both"), default="measured",
                     help="where the windows come from: measurement, ATLAS's simulated schedule, or both")
+    ap.add_argument("--plan-schedule", choices=("deepspeed", "1f1b"), default="deepspeed",
+                    help="--windows plan|both: simulate ATLAS's job as DeepSpeed's engine runs it (blocking "
+                         "p2p in TrainSchedule's order) or as the idealised 1F1B")
     ap.add_argument("--atlas", action="store_true",
                     help="the 2 ranks in 2 network namespaces joined by launch.net.wanemu (RTT 2 x --wan-ms, "
                          "--rate-mbit), pipeline p2p by ATLAS's multi-TCP temporal sharing (needs root)")

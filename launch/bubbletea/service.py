@@ -23,7 +23,8 @@ Messages in (pickled, over a pipe), one per line of the protocol:
     ("recalibrate",)                     time the model again (a cost model that starved the rank)
     ("ping", n)                          reply ("pong", n) once everything before it is done
     ("stop",)
-Messages out: ("ready", fit), ("chunk", t0, t1, tokens, ratio), ("skipped", n, "closed" | "short"),
+Messages out: ("ready", fit), ("chunk", t0, t1, tokens, ratio, predicted, deadline) (deadline 0: no
+window), ("skipped", n, "closed" | "short"),
 ("done", id, cache, logits, first_token, t_submit, t_done, memory), ("memory", memory), ("fit", fit),
 ("pong", n), ("error", traceback); memory = {weights, kv, kv_peak, cap} in bytes.
 
@@ -196,12 +197,14 @@ class Service:
             if self.window[0] != seq or self.window[1] == 0.0:
                 self.emit("skipped", len(chunks) - i, "closed")
                 return
-            if time.perf_counter() + self.cost(chunk) + self.guard > self.window[1]:
+            deadline = self.window[1]
+            if time.perf_counter() + self.cost(chunk) + self.guard > deadline:
                 self.emit("skipped", len(chunks) - i, "short")
                 return
-            self.run_chunk(chunk)
+            self.run_chunk(chunk, deadline)
 
-    def run_chunk(self, chunk: Chunk) -> None:
+    def run_chunk(self, chunk: Chunk, deadline: float = 0.0) -> None:
+        """Run one chunk; ``deadline``: the end of the window it was started in (0: none, a drain)."""
         q = self.queue.get(chunk.request)
         if q is None or q[3] != chunk.lo:          # an earlier chunk of it was not run: not its turn
             return
@@ -217,7 +220,7 @@ class Service:
         t1 = time.perf_counter()
         q[3] = chunk.hi
         self.ratio *= 0.8 + 0.2 * (t1 - t0) / predicted
-        self.emit("chunk", t0, t1, chunk.tokens, self.ratio)
+        self.emit("chunk", t0, t1, chunk.tokens, self.ratio, predicted, deadline)
         if self.down is not None:                  # to the next stage, inside the data center
             send(self.down, chunk.request, chunk.lo, chunk.hi, total, logits, t_submit)
         if chunk.hi == total:
@@ -278,11 +281,15 @@ def main(fds: list[int]) -> None:
     parent = os.getppid()
     try:
         setup = recv(conn_in)[1]
-        os.setpriority(os.PRIO_PROCESS, 0, setup["nice"])
-        if setup["cpus"] is not None:       # before torch starts threads: they inherit mask and policy
-            os.sched_setaffinity(0, setup["cpus"])
-        if setup["idle"]:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        # nice, CPU mask and policy are per thread on Linux: set them on every thread there is (importing
+        # torch already started one, which stayed at nice 0 under SCHED_OTHER, found in a benchmark's
+        # service) before torch starts its pools, which inherit them
+        for tid in map(int, os.listdir("/proc/self/task")):
+            os.setpriority(os.PRIO_PROCESS, tid, setup["nice"])
+            if setup["cpus"] is not None:
+                os.sched_setaffinity(tid, setup["cpus"])
+            if setup["idle"]:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
         torch.set_num_threads(setup["threads"])
         inbox: queue.Queue = queue.Queue()        # the rank's messages and, pipelined, the previous stage's
         service = Service(lambda *msg: send(out, *msg), window, setup, post=inbox.put)

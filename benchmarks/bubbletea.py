@@ -188,20 +188,25 @@ def bench_rank(cfg: dict) -> dict:
 
 def where_time_goes(its: list) -> dict:
     """Where an iteration's time goes, prefill off against on: per instruction kind the median over
-    iterations of its summed time (ms), and how far the on-iterations' chunks ran into training (a chunk
-    still running after the wait it started in had returned: count and ms in all)."""
+    iterations of its summed time (ms); how far the on-iterations' chunks ran into training (a chunk
+    still running after the wait it started in had returned: count and ms in all); and the iterations'
+    median wall time (ms, count): off, on with no chunk into training, on with one or more."""
     kinds = sorted({op.kind for it in its for op in it.ops})
     out = {"ms": {k: [round(1e3 * _median([sum(op.end - op.start for op in it.ops if op.kind == k)
                                           for it in its if it.prefill_on == on]), 3) for on in (False, True)]
                   for k in kinds}}
-    into, into_s = 0, 0.0
+    into, into_s, walls = 0, 0.0, {"off": [], "on_clear": [], "on_into": []}
     for it in its:
         waits = [op for op in it.ops if op.kind in WAITS]
+        n = 0
         for a, b in it.prefill:
             op = next((w for w in waits if w.start <= a <= w.end), None)
             if op is not None and b > op.end:
-                into, into_s = into + 1, into_s + (b - op.end)
+                n, into_s = n + 1, into_s + (b - op.end)
+        into += n
+        walls["off" if not it.prefill_on else "on_into" if n else "on_clear"].append(it.wall)
     out["into_training"], out["into_training_ms"] = into, round(1e3 * into_s, 2)
+    out["wall_ms"] = {k: [round(1e3 * _median(v), 2), len(v)] for k, v in walls.items()}
     return out
 
 
@@ -388,7 +393,8 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
                  f"{x['cost_ratio_median']:.2f} / {x['cost_ratio_p90']:.2f}")
         print(f"rank {x['rank']}: late {x['late']} of {x['chunks']} ({x['late_ms']:.1f} ms), into training "
               f"{t['into_training']} ({t['into_training_ms']:.1f} ms), measured/predicted median / p90 {ratio}; "
-              + ", ".join(f"{k} {a:.1f} -> {b:.1f}" for k, (a, b) in t["ms"].items()))
+              + ", ".join(f"{k} {a:.1f} -> {b:.1f}" for k, (a, b) in t["ms"].items())
+              + "; iteration ms (count): " + ", ".join(f"{k} {a:.1f} ({n})" for k, (a, n) in t["wall_ms"].items()))
     for x in rows:
         if x["starved"]:
             print(f"WARNING: rank {x['rank']}'s prefill service is starved: {x['chunks']} chunks, "

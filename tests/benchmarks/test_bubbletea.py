@@ -17,7 +17,8 @@ def _rank(rank, stock, on, profile, ttft):
             "tokens_per_s": 100.0, "steady_iterations": 12, "tokens": 800 * (rank + 1),
             "counters": {"queue": 2, "queue_peak": 3, "recalibrated": 0, "late": 1, "late_s": 0.002,
                          "cost_ratio_median": 0.9, "cost_ratio_p90": 1.2},
-            "time": {"ms": {"ForwardPass": [5.0, 5.5]}, "into_training": 1, "into_training_ms": 1.5},
+            "time": {"ms": {"ForwardPass": [5.0, 5.5]}, "into_training": 1, "into_training_ms": 1.5,
+                     "wall_ms": {"off": [100.0, 3], "on_clear": [101.0, 2], "on_into": [104.0, 1]}},
             "memory": {"cap": 2**30, "kv_peak": 2**20},
             "window_report": {"median_rel_diff": 0.1, "plan_s": 0.02, "measured_s": 0.022}}
 
@@ -99,3 +100,4 @@ def test_where_the_time_goes_per_instruction_and_into_training():
     assert got["ms"]["RecvGrad"] == pytest.approx([18.0, 21.0])      # off; median of on (20, 22)
     assert got["ms"]["BackwardPass"] == pytest.approx([3.0, 3.0])
     assert (got["into_training"], got["into_training_ms"]) == (1, pytest.approx(2.0))
+    assert got["wall_ms"] == {"off": [23.0, 1], "on_clear": [27.0, 1], "on_into": [25.0, 1]}

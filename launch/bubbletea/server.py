@@ -151,8 +151,9 @@ class PrefillServer:
                                  f"{sorted(allowed)}")
             cpus = sorted(set(given))
         local = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1"   # launchers' count
+        self.local_ranks = max(1, int(local)) if local.isdigit() else 1
         warning = runner == "process" and shared_cores_warning(len(cpus or allowed), os.cpu_count() or 1,
-                                                               int(local) if local.isdigit() else 1)
+                                                               self.local_ranks)
         if warning:
             warnings.warn(warning, stacklevel=2)
         self.config, self.runner, self.memory_fraction = spec, runner, memory_fraction
@@ -304,12 +305,15 @@ class PrefillServer:
         self.raise_error()
 
     def measure_memory(self) -> dict:
-        """Cap the KV caches at ``memory_fraction`` of the device memory free now (call it after training's
-        first iterations: :class:`launch.bubbletea.engine.BubbleTea` does, once its warm-up is over).
-        Returns and keeps ``memory``: free, cap, weights, kv, kv_peak (bytes)."""
+        """Cap the KV caches at ``memory_fraction`` of the device memory free now, on CPU divided among the
+        host's local ranks (``LOCAL_SIZE`` or ``LOCAL_WORLD_SIZE``). Call it after training's first
+        iterations (:class:`launch.bubbletea.engine.BubbleTea` does, once its warm-up is over). Returns
+        and keeps ``memory``: free, cap, weights, kv, kv_peak (bytes)."""
         if self.memory_fraction is None:
             return self.memory
-        free, cap = memory_cap(self.device, self.memory_fraction)
+        # on CPU the host's local ranks share one free memory: each takes its share of the fraction
+        free, cap = memory_cap(self.device, self.memory_fraction,
+                               self.local_ranks if self.device.type == "cpu" else 1)
         self.memory = {**self.memory, "free": free, "cap": cap}
         with self._lock:
             self._post("cap", cap)
@@ -384,6 +388,10 @@ class PrefillServer:
                 self.callback(result)
             except BaseException as e:          # surfaced to the training thread by raise_error
                 self.error = f"the callback raised {e!r}"
+        elif kind == "arrived":                 # pipelined: queued here by the previous stage, not submit
+            with self._lock:
+                self._pending.add(msg[0])
+                st.queue_peak = max(st.queue_peak, len(self._pending))
         elif kind == "memory":
             self.memory = {**self.memory, **msg[0]}
         elif kind == "fit":

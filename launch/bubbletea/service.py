@@ -26,7 +26,8 @@ Messages in (pickled, over a pipe), one per line of the protocol:
 Messages out: ("ready", fit), ("chunk", t0, t1, tokens, ratio, predicted, deadline) (deadline 0: no
 window), ("skipped", n, "closed" | "short"),
 ("done", id, cache, logits, first_token, t_submit, t_done, memory), ("memory", memory), ("fit", fit),
-("pong", n), ("error", traceback); memory = {weights, kv, kv_peak, cap} in bytes.
+("pong", n), ("error", traceback), ("arrived", id) (pipelined: a request's first rows came from the
+previous stage); memory = {weights, kv, kv_peak, cap} in bytes.
 
 The window word is two float64: (seq, deadline). The rank writes the deadline then the seq when a
 window opens, and the deadline 0 when it closes; a chunk starts only if the seq is the open message's
@@ -176,6 +177,8 @@ class Service:
             self.queue[rid] = [tokens, t_submit, None, 0, len(tokens)]
         elif kind == "activations":                  # a chunk's output from the previous stage
             _, rid, lo, hi, total, x, t_submit = msg
+            if rid not in self.queue:                # a new request for this stage: the rank counts it
+                self.emit("arrived", rid)
             q = self.queue.setdefault(rid, [Arrived(), t_submit, None, 0, total])
             q[0].add(lo, hi, x)
         elif kind == "link":                         # pipelined: accept the previous stage, reach the next

@@ -66,6 +66,11 @@ def test_the_memory_cap_admits_caches_in_order():
     try:
         measured = server.measure_memory()
         assert 0 < measured["cap"] <= measured["free"] // 2 + 1 and measured["weights"] > 0
+        server.local_ranks = 4                       # a host's 4 ranks share its memory: an eighth each
+        measured = server.measure_memory()
+        assert 0 < measured["cap"] <= measured["free"] // 8 + 1
+        with pytest.raises(ValueError, match="sharers=0: must be a positive integer"):
+            dev.memory_cap(torch.device("cpu"), 0.5, 0)
         server._post("cap", 40 * CACHE_BYTES_PER_TOKEN)      # room for one 40-token cache at a time
         server.sync()
         for i, n in enumerate((40, 30, 10)):

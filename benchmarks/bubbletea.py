@@ -392,9 +392,10 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
         ratio = ("-" if x["cost_ratio_median"] is None else
                  f"{x['cost_ratio_median']:.2f} / {x['cost_ratio_p90']:.2f}")
         print(f"rank {x['rank']}: late {x['late']} of {x['chunks']} ({x['late_ms']:.1f} ms), into training "
-              f"{t['into_training']} ({t['into_training_ms']:.1f} ms), measured/predicted median / p90 {ratio}; "
-              + ", ".join(f"{k} {a:.1f} -> {b:.1f}" for k, (a, b) in t["ms"].items())
-              + "; iteration ms (count): " + ", ".join(f"{k} {a:.1f} ({n})" for k, (a, n) in t["wall_ms"].items()))
+              f"{t['into_training']} ({t['into_training_ms']:.1f} ms), measured/predicted median / p90 "
+              f"{ratio}; " + ", ".join(f"{k} {a:.1f} -> {b:.1f}" for k, (a, b) in t["ms"].items())
+              + "; iteration ms (count): "
+              + ", ".join(f"{k} {a:.1f} ({n})" for k, (a, n) in t["wall_ms"].items()))
     for x in rows:
         if x["starved"]:
             print(f"WARNING: rank {x['rank']}'s prefill service is starved: {x['chunks']} chunks, "

@@ -66,8 +66,15 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from launch.bubbletea.packer import Chunk
 from launch.bubbletea.server import PrefillServer
 from launch.bubbletea.timeline import Op, Window, busy_time
-from launch.bubbletea.windows import (SOURCES, WAITS, combine, compare, deepspeed_plan, instruction_names,
-                                      plan_windows)
+from launch.bubbletea.windows import (
+    SOURCES,
+    WAITS,
+    combine,
+    compare,
+    deepspeed_plan,
+    instruction_names,
+    plan_windows,
+)
 
 __all__ = ["WAITS", "BubbleTea", "BubbleTeaPipelineEngine", "Iteration", "enable"]
 

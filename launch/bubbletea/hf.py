@@ -11,10 +11,11 @@
 local_files_only=True)``: nothing is downloaded, no weights cross the pipe) and runs every chunk
 through the model's own forward against a transformers ``Cache`` whose layers are the request's
 :class:`~launch.bubbletea.model.KVCache` (:func:`in_place_cache`: the attention writes the chunk's keys
-and values into it and reads its filled prefix as views; no per-chunk copy). :class:`HFConfig` is a :class:`~launch.bubbletea.model.ModelSpec`
-and :class:`HFModel` a :class:`~launch.bubbletea.model.PrefillModel`, so the service, its memory cap,
-its cost model and the packer run it as they run :class:`~launch.bubbletea.model.CausalLM` (a
-KVCache ``[L, H_kv, T, Dh]`` has the ``length`` and ``nbytes`` the cap counts, preallocated), and only
+and values into it and reads its filled prefix as views; no per-chunk copy). :class:`HFConfig` is a
+:class:`~launch.bubbletea.model.ModelSpec` and :class:`HFModel` a
+:class:`~launch.bubbletea.model.PrefillModel`, so the service, its memory cap, its cost model and the
+packer run it as they run :class:`~launch.bubbletea.model.CausalLM` (a KVCache ``[L, H_kv, T, Dh]`` has
+the ``length`` and ``nbytes`` the cap counts, preallocated), and only
 the hand-off knows about Hugging Face: :func:`to_dynamic_cache` turns the finished KVCache into the
 library's own format (:class:`HFPrefillServer` does it for every result).
 The KVCache is in the model's dtype (the attention reads it as it is); the endpoint ships it as float32.

@@ -330,7 +330,8 @@ class PrefillServer:
         st = self.stats
         ttft = _median_p90(sorted(st.ttft))
         ratio = _median_p90(sorted(m / p for m, p in list(st.timings) if p > 0))
-        return {"chunks": st.chunks, "tokens": st.tokens, "prompts": len(st.ttft), "queue": len(self._pending),
+        return {"chunks": st.chunks, "tokens": st.tokens, "prompts": len(st.ttft),
+                "queue": len(self._pending),
                 "queue_peak": st.queue_peak, "busy_s": st.busy, "skipped": st.skipped, "closed": st.closed,
                 "late": st.late, "late_s": st.late_s,
                 "ttft_median_s": ttft[0], "ttft_p90_s": ttft[1],

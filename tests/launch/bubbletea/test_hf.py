@@ -137,7 +137,7 @@ def test_bad_models_and_settings_are_refused(saved, tmp_path):
     transformers.MistralForCausalLM(transformers.MistralConfig(
         vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         max_position_embeddings=64, sliding_window=8)).save_pretrained(tmp_path / "mistral")
-    with pytest.raises(ValueError, match="layer 0's cache is a DynamicSlidingWindowLayer, not a full-attention"):
+    with pytest.raises(ValueError, match="layer 0's cache is a DynamicSlidingWindowLayer, not a full"):
         HFModel(HFConfig.load(tmp_path / "mistral"))
     transformers.T5Config().save_pretrained(tmp_path / "t5")
     with pytest.raises(ValueError, match="model_type 't5' is not a causal LM"):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -70,6 +71,27 @@ def core_shares(cpus: list[int], ranks: int) -> list[list[int]]:
     if k < 1:
         raise ValueError(f"{ranks} ranks cannot each have a core of {len(cpus)} ({cpus})")
     return [cpus[r * k:(r + 1) * k] for r in range(ranks)]
+
+
+class GCPauses:
+    """The cyclic garbage collector's pauses in this process (``gc.callbacks``): seconds in all, full
+    (generation 2) collections, the longest pause."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self.longest, self._t0 = 0.0, 0, 0.0, 0.0
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._t0
+        self.seconds += pause
+        self.full += info["generation"] == 2
+        self.longest = max(self.longest, pause)
+
+    def remove(self) -> None:
+        gc.callbacks.remove(self)
 
 
 class Collect:
@@ -125,6 +147,8 @@ def bench_rank(cfg: dict) -> dict:
         _each_thread(lambda tid: os.setpriority(os.PRIO_PROCESS, tid, cfg["nice"]))
     bt = enable(engine, server, warmup=0, reprofile_every=0, history=cfg["history"])
     step = 0
+    pauses = GCPauses()
+    collected = {a: [0.0, 0, 0.0] for a in ("stock", "on", "profile")}   # GC ms, full GCs, longest ms
 
     def run(arm: str) -> float:
         nonlocal step
@@ -132,15 +156,20 @@ def bench_rank(cfg: dict) -> dict:
         bt.enabled = arm == "on"
         batches = data(engine, step, cfg["batch"], cfg["hidden"])
         dist.barrier()
+        before, full, pauses.longest = pauses.seconds, pauses.full, 0.0
         t0 = time.perf_counter()
         engine.train_batch(batches)
         wall = time.perf_counter() - t0
+        c = collected[arm]
+        c[0], c[1] = c[0] + 1e3 * (pauses.seconds - before), c[1] + pauses.full - full
+        c[2] = max(c[2], 1e3 * pauses.longest)
         engine.__class__ = BubbleTeaPipelineEngine
         step += 1
         return wall
 
     for _ in range(cfg["warmup"]):
         run("profile")
+    collected.update((a, [0.0, 0, 0.0]) for a in collected)        # the cycles' and steady phase's only
     if cfg["windows"] != "measured":
         bt.plan, bt.windows_from = simulated_windows(cfg, bt, engine), cfg["windows"]
     orders = list(itertools.permutations(("stock", "on", "profile")))
@@ -176,8 +205,9 @@ def bench_rank(cfg: dict) -> dict:
         "skipped": server.stats.skipped, "closed": server.stats.closed,
         "counters": {k: v for k, v in server.counters().items() if k != "memory"},
         "memory": server.memory, "starved": bt.starved, "window_report": bt.window_report(),
-        "time": where_time_goes(list(its)[cfg["warmup"]:]),
+        "time": where_time_goes(list(its)[cfg["warmup"]:]), "gc": collected,
     }
+    pauses.remove()
     out["tokens_per_s"] = server.stats.tokens / max(sum(it.wall for it in on), 1e-9)
     bt.undo()
     server.stop()
@@ -368,7 +398,7 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
                      "recalibrated": c["recalibrated"], "kv_cap": r["memory"].get("cap"),
                      "late": c["late"], "late_ms": 1e3 * c["late_s"],
                      "cost_ratio_median": c["cost_ratio_median"], "cost_ratio_p90": c["cost_ratio_p90"],
-                     "time": r["time"],
+                     "time": r["time"], "gc": r["gc"],
                      "kv_peak": r["memory"].get("kv_peak"),
                      "starved": r["chunks"] == 0 or share < 0.5 * even})
     print()
@@ -395,7 +425,9 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
               f"{t['into_training']} ({t['into_training_ms']:.1f} ms), measured/predicted median / p90 "
               f"{ratio}; " + ", ".join(f"{k} {a:.1f} -> {b:.1f}" for k, (a, b) in t["ms"].items())
               + "; iteration ms (count): "
-              + ", ".join(f"{k} {a:.1f} ({n})" for k, (a, n) in t["wall_ms"].items()))
+              + ", ".join(f"{k} {a:.1f} ({n})" for k, (a, n) in t["wall_ms"].items())
+              + "; garbage collector (ms in all, full collections, longest ms): "
+              + ", ".join(f"{arm} {ms:.1f} / {n} / {top:.1f}" for arm, (ms, n, top) in x["gc"].items()))
     for x in rows:
         if x["starved"]:
             print(f"WARNING: rank {x['rank']}'s prefill service is starved: {x['chunks']} chunks, "

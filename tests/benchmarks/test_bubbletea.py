@@ -19,6 +19,7 @@ def _rank(rank, stock, on, profile, ttft):
                          "cost_ratio_median": 0.9, "cost_ratio_p90": 1.2},
             "time": {"ms": {"ForwardPass": [5.0, 5.5]}, "into_training": 1, "into_training_ms": 1.5,
                      "wall_ms": {"off": [100.0, 3], "on_clear": [101.0, 2], "on_into": [104.0, 1]}},
+            "gc": {"stock": [1.0, 0, 0.5], "on": [2.0, 0, 0.6], "profile": [1.0, 0, 0.5]},
             "memory": {"cap": 2**30, "kv_peak": 2**20},
             "window_report": {"median_rel_diff": 0.1, "plan_s": 0.02, "measured_s": 0.022}}
 

@@ -226,6 +226,9 @@ def where_time_goes(its: list) -> dict:
                                           for it in its if it.prefill_on == on]), 3) for on in (False, True)]
                   for k in kinds}}
     into, into_s, walls = 0, 0.0, {"off": [], "on_clear": [], "on_into": []}
+    off = [it for it in its if not it.prefill_on and len(it.ops) == len(its[0].ops)]
+    usual = [_median([it.ops[i].end - it.ops[i].start for it in off]) for i in range(len(its[0].ops))]
+    slow = []       # the iterations with a chunk into training: instructions 2 ms over their usual time
     for it in its:
         waits = [op for op in it.ops if op.kind in WAITS]
         n = 0
@@ -235,8 +238,12 @@ def where_time_goes(its: list) -> dict:
                 n, into_s = n + 1, into_s + (b - op.end)
         into += n
         walls["off" if not it.prefill_on else "on_into" if n else "on_clear"].append(it.wall)
+        if n and len(it.ops) == len(usual) and len(slow) < 5:
+            slow.append([(i, op.kind, round(1e3 * (op.end - op.start - usual[i]), 1))
+                         for i, op in enumerate(it.ops) if op.end - op.start - usual[i] > 2e-3])
     out["into_training"], out["into_training_ms"] = into, round(1e3 * into_s, 2)
     out["wall_ms"] = {k: [round(1e3 * _median(v), 2), len(v)] for k, v in walls.items()}
+    out["into_slow"] = slow
     return out
 
 
@@ -427,7 +434,9 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
               + "; iteration ms (count): "
               + ", ".join(f"{k} {a:.1f} ({n})" for k, (a, n) in t["wall_ms"].items())
               + "; garbage collector (ms in all, full collections, longest ms): "
-              + ", ".join(f"{arm} {ms:.1f} / {n} / {top:.1f}" for arm, (ms, n, top) in x["gc"].items()))
+              + ", ".join(f"{arm} {ms:.1f} / {n} / {top:.1f}" for arm, (ms, n, top) in x["gc"].items())
+              + "; iterations with a chunk into training, instructions 2 ms over their usual: "
+              + str(t["into_slow"]))
     for x in rows:
         if x["starved"]:
             print(f"WARNING: rank {x['rank']}'s prefill service is starved: {x['chunks']} chunks, "

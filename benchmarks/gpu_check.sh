@@ -277,14 +277,15 @@ wallfacer_blocks_dry() {
 # documents in one call, when flash-attn imports; sdpa one call per document — forward + backward against
 # fp64 attention inside each document (at most twice naive same-dtype attention's error), and its time
 # against one dense causal call over the same tokens; needs only torch (no wheels, no build). Its CPU twin
-# and the varlen path against a strict flash-attn stand-in run in tests/benchmarks/test_packed_check.py.
+# and the varlen path against a strict flash-attn stand-in run in tests/benchmarks/test_packed_check.py; the
+# dry run runs the twin on the smaller, untimed batch of --quick.
 wallfacer_packed() {
     "$python" -m benchmarks.packed_check --device cuda 2>&1 | tee "$out/wallfacer_packed.txt"
     return "${PIPESTATUS[0]}"
 }
 
 wallfacer_packed_dry() {
-    "$python" -m benchmarks.packed_check --device cpu
+    "$python" -m benchmarks.packed_check --device cpu --quick
 }
 # --- end of the WallFacer packed sequences -----------------------------------------------------------------
 

@@ -3,6 +3,7 @@ attention inside each document in fp64:
 
     python -m benchmarks.packed_check --device cuda     # flash-attn's varlen path (when it imports), sdpa
     python -m benchmarks.packed_check --device cpu      # the CPU twin: sdpa (ATen's CPU flash), reference
+    python -m benchmarks.packed_check --device cpu --quick   # gpu_check.sh --dry-run: smaller, untimed
 
 One rank (a one-process group): WallFacer's row maps, one call per document, or one varlen call for all
 of them where the kernel has one (block.forward_calls; flash-attn: _flash_attn_varlen_forward /
@@ -32,6 +33,7 @@ from megatron_patches.wallfacer import wallfacer_attention
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 LENGTHS = [700, 1, 37, 256, 5, 129, 64, 2, 333]
+QUICK_LENGTHS = [90, 1, 37, 4, 17]  # the same kinds (odd lengths, a 1-token document), smaller: --quick
 
 
 def default_kernels(device: str) -> dict:
@@ -173,10 +175,13 @@ def run(device: str, kernels: dict | None = None, lengths=LENGTHS, timed: bool =
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"documents of {QUICK_LENGTHS} tokens, errors only (no timing)")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
-    return 0 if run(args.device)["passed"] else 1
+    lengths = QUICK_LENGTHS if args.quick else LENGTHS
+    return 0 if run(args.device, lengths=lengths, timed=not args.quick)["passed"] else 1
 
 
 if __name__ == "__main__":

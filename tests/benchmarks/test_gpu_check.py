@@ -31,7 +31,7 @@ def test_dry_run_passes(tmp_path):
     log = (tmp_path / "gpu_check.log").read_text()
     assert "tests collected" in log and '"benchmark": "dispatch"' in log
     assert '"benchmark": "block_check", "device": "cpu", "passed": true' in log
-    assert '"benchmark": "packed_check", "device": "cpu", "passed": true' in log
+    assert '"benchmark": "packed_check", "device": "cpu", "passed": true, "cases": 6' in log
     assert '"benchmark": "calibrate", "device": "cpu", "passed": true' in log
     assert "PASS parm dispatch-combine on cpu" in log and "PASS parm bf16-layer on cpu" in log
     assert '"benchmark": "bubbletea_gpu", "device": "cpu"' in log and '"max_diff_alone": 0.0' in log

@@ -1,20 +1,13 @@
-"""benchmarks/packed_check.py, the GPU check's packed-sequence step, runs here as its CPU twin (ATen's CPU
-flash kernel and the reference, one call per document) and with the GPU path's code: FlashKernel's varlen
-path against the strict stand-in of flash-attn's varlen functions (any layout violation raises)."""
-
-import pytest
+"""benchmarks/packed_check.py, the GPU check's packed-sequence step, with the GPU path's code: FlashKernel's
+varlen path against the strict stand-in of flash-attn's varlen functions (any layout violation raises). Its
+CPU twin (ATen's CPU flash kernel and the reference, one call per document, ``--quick``) runs in the GPU
+check's dry run (tests/benchmarks/test_gpu_check.py)."""
 
 from benchmarks import packed_check
 from megatron_patches.block import FlashKernel, SdpaKernel
 from tests.megatron_patches.strict_kernels import StrictFlashVarlen
 
-SHORT = [90, 1, 37, 4, 17]  # a smaller batch of the same kinds (odd lengths, a 1-token document)
-
-
-@pytest.mark.slow
-def test_cpu_twin_passes():
-    summary = packed_check.run("cpu", lengths=SHORT, timed=False)
-    assert summary["passed"] and summary["cases"] == 6, summary
+SHORT = packed_check.QUICK_LENGTHS
 
 
 def test_flash_varlen_path_with_the_strict_stand_in():

@@ -25,6 +25,12 @@ A rank whose input is refused (ds_plugins.inputs) says so in the training flag's
 error-only round that carries the refusing rank's message over MP, then EP (:func:`relay`), and raises
 it. :func:`settings` agrees once, at set-up, on the layer's arguments (the schedule, the sizes) in the same
 two hops.
+
+Where the fill counts travel anyway (``skip_empty_slots``), each rank's S, flag and route hash ride on them
+as a header (:data:`HEADER`, :func:`check_headers`): a fixed-size exchange every rank issues whatever its
+shape, so a forward of S2 or "deepspeed" in drop mode needs no agreement of its own
+(ds_plugins.schedules.sync_free) and reads the host once, and a rank whose shape changed still meets its
+peers in that exchange and raises with them.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from commweave import comm
 from ds_plugins.config import SCHEDULES, path_id
@@ -91,20 +98,101 @@ def tokens(num_tokens: int, training: bool, drop_tokens: bool, g: ParmGroups, de
     s = spread([num_tokens, _REFUSED if error is not None else int(training)], g, device)
     if s.hi[1] == _REFUSED:
         raise ValueError(relay(error, (g.mp, g.ep)) or error)
-    if s.mp[0]:
+    _check_counts(s.lo[0], s.hi[0], bool(s.mp[0]), s.lo[1] != s.hi[1], drop_tokens)
+    return s.hi[0]
+
+
+def _check_counts(lo: int, hi: int, mp_differ: bool, modes_differ: bool, drop_tokens: bool) -> None:
+    """The verdict on the layer's token counts (between ``lo`` and ``hi``) and modes, the same text from
+    :func:`tokens` and from the headers (:func:`check_headers`)."""
+    if mp_differ:
         raise ValueError("parm MoE: the tensor-parallel (MP) ranks of this layer hold different token "
-                         f"counts (between {s.lo[0]} and {s.hi[0]}): the input of an MoE layer must be "
+                         f"counts (between {lo} and {hi}): the input of an MoE layer must be "
                          "replicated over the tensor-parallel ranks")
-    if s.lo[1] != s.hi[1]:
+    if modes_differ:
         raise RuntimeError("parm MoE: some ranks of this layer are in training mode and others in eval "
                            "mode (their capacity factors differ): call model.train() / model.eval() on "
                            "every rank")
-    if drop_tokens and s.lo[0] != s.hi[0]:
+    if drop_tokens and lo != hi:
         raise ValueError("parm MoE: with drop_tokens=True every rank of a layer must hold the same number "
                          f"of tokens (the capacity, which sizes every exchange, is computed from it); got "
-                         f"between {s.lo[0]} and {s.hi[0]}: give every rank batches of one size, or set "
+                         f"between {lo} and {hi}: give every rank batches of one size, or set "
                          "drop_tokens=False")
-    return s.hi[0]
+
+
+# The header (issue 23, item 4): HEADER int32 words every rank sends along its fill counts
+# (ds_plugins.overlap.FillExchange), the same words to each EP peer, which all-gathers what it received
+# over ESP:
+#     [S, training flag (0, 1, or _REFUSED), global rank, first global rank of its MP group, routes' hash,
+#      capacity]
+# After the A2A over EP and the AG over ESP = MP, rank r holds the headers of the EP groups of its MP
+# peers: in DeepSpeed's layouts that is every rank of the layer (the MP groups its EP groups meet, the
+# set the two-hop :func:`spread` covers), so every rank reaches the same verdict from the same words,
+# before any collective whose size depends on them. Where ESP = 1 < MP the AG is missing and a rank sees
+# its EP group's headers only: there :func:`tokens` agrees first (ds_plugins.schedules.sync_free).
+# The capacity word makes S1's capacity agreement (:func:`capacity`) unnecessary where the headers reach
+# every rank: the layer's capacity is the largest of them (ds_plugins.schedules.s1).
+HEADER = 6
+_PRIME = 2**31 - 1
+
+
+def route_hash(indices: torch.Tensor, locations: torch.Tensor) -> torch.Tensor:
+    """[1] int32 on the routes' device: sum over routes i of word_i · weight_i mod P = 2**31 - 1 (a prime),
+    word_i = (expert + 2) · 1000003 + slot, weight_i = 40503 · i + 1, all in int64 without overflow (each
+    product < 2**62, the sum of k·S < 2**31 of them reduced < 2**62). Equal routes hash equal; routes that
+    differ hash equal with a chance of about 2**-31. Device ops only (no host read)."""
+    words = ((indices.long().reshape(-1) + 2) * 1000003 + locations.long().reshape(-1)) % _PRIME
+    weights = (torch.arange(words.numel(), device=words.device, dtype=torch.int64) * 40503 + 1) % _PRIME
+    return ((words * weights % _PRIME).sum() % _PRIME).to(torch.int32).reshape(1)
+
+
+def header(num_tokens: int, training: bool, error: str | None, hashed: torch.Tensor | None, g: ParmGroups,
+           device: torch.device, capacity: int | torch.Tensor = 0) -> torch.Tensor:
+    """This rank's header, [HEADER] int32 on ``device``, built with scalar fills and device copies (kernel
+    launches, no host-to-device copy that would wait for the stream). ``hashed``: :func:`route_hash` of
+    routes the MP ranks must share (S2, "deepspeed"), or None (S1, whose MP ranks route different tokens);
+    ``capacity``: this rank's (an int, or S1's 0-d device tensor)."""
+    rank = dist.get_rank()
+    head = torch.zeros(HEADER, dtype=torch.int32, device=device)
+    head[0] = num_tokens
+    head[1] = _REFUSED if error is not None else int(training)
+    head[2] = rank
+    head[3] = rank if g.mp is None else comm.global_rank(g.mp, 0)
+    if hashed is not None:
+        head[4:5] = hashed
+    head[5:] = capacity.reshape(1) if isinstance(capacity, torch.Tensor) else capacity
+    return head
+
+
+def check_headers(heads: Sequence[Sequence[int]], g: ParmGroups, drop_tokens: bool,
+                  error: str | None = None) -> int:
+    """Raise on every rank that holds the same ``heads`` (the :data:`HEADER` words of the ranks it saw,
+    host ints) what :func:`tokens` and :func:`capacity` raise, and a RuntimeError when two MP ranks of one
+    group hashed different routes (they would exchange buffers of different sizes: "deepspeed"'s
+    all-reduce of the filled rows inside the experts aborts gloo). Returns the largest capacity.
+    Collective only when a rank refused (:func:`relay`)."""
+    seen = {h[2]: h for h in heads}                                  # by global rank, each once
+    if any(h[1] == _REFUSED for h in seen.values()):
+        raise ValueError(relay(error, (g.mp, g.ep)) or error)
+    by_mp: dict[int, list[Sequence[int]]] = {}
+    for h in seen.values():
+        by_mp.setdefault(h[3], []).append(h)
+    counts = [h[0] for h in seen.values()]
+    _check_counts(min(counts), max(counts), any(len({h[0] for h in hs}) > 1 for hs in by_mp.values()),
+                  len({h[1] for h in seen.values()}) > 1, drop_tokens)
+    capacities = [h[5] for h in seen.values()]
+    if any(len({h[5] for h in hs}) > 1 for hs in by_mp.values()):
+        _routing_differs(f"capacities between {min(capacities)} and {max(capacities)}")
+    split = sorted(r for hs in by_mp.values() if len({h[4] for h in hs}) > 1 for r in (h[2] for h in hs))
+    if split:
+        _routing_differs(f"ranks {split}: their routes hash differently")
+    return max(capacities)
+
+
+def _routing_differs(why: str) -> None:
+    raise RuntimeError("parm MoE: routing differs across the tensor-parallel (MP) ranks of this layer "
+                       f"({why}): give every MP rank the same input and gate weights and seed their RNGs "
+                       "identically before the MoE layer (the gate draws random numbers)")
 
 
 def capacity(local: int, g: ParmGroups, device: torch.device) -> int:
@@ -113,10 +201,7 @@ def capacity(local: int, g: ParmGroups, device: torch.device) -> int:
     rank of the layer (instead of hanging in an exchange of mismatched sizes)."""
     s = spread([local], g, device)
     if s.mp[0]:
-        raise RuntimeError(f"parm MoE: routing differs across the tensor-parallel (MP) ranks of this layer "
-                           f"(capacities between {s.lo[0]} and {s.hi[0]}): give every MP rank the same input "
-                           "and seed their RNGs identically before the MoE layer (the gate draws random "
-                           "numbers)")
+        _routing_differs(f"capacities between {s.lo[0]} and {s.hi[0]}")
     return s.hi[0]
 
 

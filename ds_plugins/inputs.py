@@ -10,7 +10,8 @@ whose sizes depend on the input:
   (``comm.agree``) before ``deepspeed.initialize`` runs;
 - ``ParmMoE.set_deepspeed_parallelism``: the settings, agreed over the layer's MP and EP groups
   (ds_plugins.agreement.settings);
-- ``ParmMoE.forward``: the input, carried by the token-count agreement (ds_plugins.agreement.tokens).
+- ``ParmMoE.forward``: the input, carried by the token-count agreement (ds_plugins.agreement.tokens), or
+  where the forward is sync-free by the header of its fill exchange (ds_plugins.schedules.refuse).
 
 Every message names the argument, the value and the rule.
 """

@@ -8,6 +8,9 @@ modules with DeepSpeed's parameter tags. Only the forward differs:
     agree on the token count -> schedule ("deepspeed" | "s1" | "s2", or "auto" per agreed shape)
         -> (output, l_aux, exp_counts)
 
+(where the forward is sync-free, ds_plugins.schedules.sync_free, the token count travels in the header of
+the schedule's fill exchange instead of its own agreement)
+
 with the output replicated over the MP ranks, as DeepSpeed's. Every schedule routes exactly as
 DeepSpeed's gate on the whole batch, so the schedule changes the speed, never the result; the forward
 issues collectives on the layer's own groups only (ds_plugins.agreement, ds_plugins.selector), and works
@@ -30,7 +33,7 @@ from ds_plugins import agreement, checkpoint, experts, inputs, moe_timers, selec
 from ds_plugins import cost_cache as cost_cache_file
 from ds_plugins.config import ParmConfig, check_cost_cache_type, check_overlap_chunks, check_schedule
 from ds_plugins.groups import ParmGroups, check_layout
-from ds_plugins.schedules import SCHEDULES
+from ds_plugins.schedules import SCHEDULES, refuse, sync_free
 
 
 class ParmMoE(MoE):
@@ -157,9 +160,15 @@ class ParmMoE(MoE):
         error = inputs.forward_error(self, hidden_states, used_token)
         x = None if error else hidden_states.reshape(-1, hidden_states.shape[-1])
         with moe_timers.timed(self.deepspeed_moe, MOE_TIMER):
-            tokens = agreement.tokens(0 if error else x.shape[0], self.gate.training, self.gate.drop_tokens,
-                                      self.parm_groups, self.gate.wg.weight.device,
-                                      error and f"ParmMoE.forward: {error}")
+            error = error and f"ParmMoE.forward: {error}"
+            if sync_free(self):      # the sizes are checked on the fill exchange's headers instead
+                if error:
+                    refuse(self, error)
+                tokens = x.shape[0]
+            else:
+                tokens = agreement.tokens(0 if error else x.shape[0], self.gate.training,
+                                          self.gate.drop_tokens, self.parm_groups, self.gate.wg.weight.device,
+                                          error)
             schedule = self.schedule if self.schedule != "auto" else selector.choose(self, tokens, x.dtype)
             self.last_schedule = schedule
             out, l_aux, exp_counts = SCHEDULES[schedule](self, x, used_token)

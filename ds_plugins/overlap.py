@@ -28,11 +28,13 @@ local expert j) holds tokens in its first
     rows[i, q, p', j] = clamp(fill_e - lo - i·c_r, 0, c_r)        (fill_e, lo: those of the block's source)
 
 slots. :class:`FillExchange` sends every source's fill - lo to the experts along the blocks' own path,
-an A2A over EP then an AG over ESP of E int32 (wire E·4·(p-1)/p + E·4·(s-1) bytes per rank, forward only:
-the backward reuses the rows), which holds for any group layout and for S1, whose MP ranks route
-different tokens. The experts then run on their F_j filled rows only; the empty slots of the returned
-buffer are zeros (combine never reads them; the reduce-scatter sums them). Without skipping, every slot
-counts as filled (:meth:`Rows.every`) and the experts see all E_l·r·s·p·c_r rows, as DeepSpeed's do.
+an A2A over EP then an AG over ESP of E int32, each EP peer's with the sender's header (ds_plugins.agreement:
+W = (E + p·HEADER)·4 bytes, wire W·(p-1)/p + W·(s-1) per rank, forward only: the backward reuses the rows),
+which holds for any group layout and for S1, whose MP ranks route different tokens. It is the forward's one
+read of device data to the host (one copy, the headers in it). The experts then run on their F_j filled
+rows only; the empty slots of the returned buffer are zeros (combine never reads them; the reduce-scatter
+sums them). Without skipping, every slot counts as filled (:meth:`Rows.every`) and the experts see all
+E_l·r·s·p·c_r rows, as DeepSpeed's do.
 
 The two exchanges are each other's autograd dual: the backward of to_experts is from_experts (A2A <-> A2A,
 AG <-> RS, keeping the filled rows <-> putting them back with zeros, and the S2 split's AG over MP), the
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from commweave import comm
+from ds_plugins.agreement import HEADER
 from ds_plugins.groups import ParmGroups
 
 
@@ -69,59 +72,87 @@ class Layout:
 
 
 class Rows:
-    """The expert-side rows that hold a token, from ``counts`` [r, s, p, E_l] (the filled prefix of every
-    block, see the module docstring).
+    """The expert-side rows that hold a token, from ``counts`` [r][s][p][E_l] (host ints: the filled prefix
+    of every block, see the module docstring).
 
     ``index[i][j]``: local expert j's filled rows in chunk i, as row numbers of the chunk's flattened
     [s, p, E_l, c_r] blocks, in (q, p', slot) order; expert j's tensor holds them chunk after chunk, those
-    of chunk i from row ``offset[i][j]``; ``sizes[j]`` = F_j.
+    of chunk i from row ``offset[i][j]``; ``sizes[j]`` = F_j. Built on the host from host ints (no read
+    of a device tensor); the row numbers go to the device in one copy, asynchronous on a GPU (pinned).
     """
 
-    def __init__(self, counts: torch.Tensor, chunk_slots: int, device: torch.device) -> None:
-        r, s, p, e_l = counts.shape
-        filled = torch.arange(chunk_slots) < counts.permute(0, 3, 1, 2).unsqueeze(-1)  # [r, E_l, s, p, c_r]
+    def __init__(self, counts: list, chunk_slots: int, device: torch.device) -> None:
+        r, s, p, e_l = len(counts), len(counts[0]), len(counts[0][0]), len(counts[0][0][0])
+        per = [[sum(counts[i][q][b][j] for q in range(s) for b in range(p)) for j in range(e_l)]
+               for i in range(r)]
+        c = torch.tensor(counts, dtype=torch.int64).view(r, s, p, e_l)
+        filled = torch.arange(chunk_slots) < c.permute(0, 3, 1, 2).unsqueeze(-1)        # [r, E_l, s, p, c_r]
         rows = torch.arange(s * p * e_l * chunk_slots).view(s, p, e_l, chunk_slots).permute(2, 0, 1, 3)
-        per = filled.sum((2, 3, 4))                                                       # [r, E_l]
-        pieces = rows.expand(r, *rows.shape)[filled].to(device).split(per.reshape(-1).tolist())
+        pieces = _to_device(rows.expand(r, *rows.shape)[filled], device).split([n for i in per for n in i])
         self.index = [pieces[i * e_l: (i + 1) * e_l] for i in range(r)]
-        self.offset = (per.cumsum(0) - per).tolist()
-        self.sizes = per.sum(0).tolist()
-        self.full = bool(filled.all())
+        self.offset = [[sum(per[h][j] for h in range(i)) for j in range(e_l)] for i in range(r)]
+        self.sizes = [sum(per[i][j] for i in range(r)) for j in range(e_l)]
+        self.full = all(n == s * p * chunk_slots for i in per for n in i)
 
     @classmethod
     def every(cls, lay: Layout, device: torch.device) -> Rows:
         """Every slot counts as filled (no skipping)."""
         g = lay.groups
-        shape = (lay.chunks, g.esp_size, g.ep_size, lay.num_experts // g.ep_size)
-        return cls(torch.full(shape, lay.chunk_slots), lay.chunk_slots, device)
+        block = [[[lay.chunk_slots] * (lay.num_experts // g.ep_size)] * g.ep_size] * g.esp_size
+        return cls([block] * lay.chunks, lay.chunk_slots, device)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``; to a GPU from pinned memory, asynchronously (a copy from pageable
+    memory would wait for the stream)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class FillExchange:
-    """Every source's fill on its way to the experts: the A2A over EP starts at construction (right after
-    routing, so that it overlaps the dispatch), the AG over ESP in :meth:`rows`."""
+    """Every source's fill counts on their way to the experts, with its header (ds_plugins.agreement): the
+    A2A over EP starts at construction (right after routing, so that it overlaps the dispatch), the AG of
+    what arrived over ``gather`` (the ESP group, or None) in :meth:`read`, which copies it all to the host
+    in one read: the only one of a sync-free forward (ds_plugins.schedules.sync_free).
 
-    def __init__(self, fill: torch.Tensor, lay: Layout) -> None:
-        g = lay.groups
-        lo = g.mp_rank * lay.chunks * lay.chunk_slots if lay.mp_split else 0
-        send = (fill - lo).to(torch.int32)                   # [E] = [p, E_l], relative to the sent slots
-        self.lay, self.work = lay, None
+    fill: [E] int32 on the device, relative to the slots this rank sends (fill - lo); head: [HEADER] int32,
+    sent to every EP peer. Sizes E + p·HEADER words whatever the token count, so ranks whose shapes differ
+    still meet in the same collectives and learn it from the headers.
+    """
+
+    def __init__(self, fill: torch.Tensor, head: torch.Tensor, g: ParmGroups, gather) -> None:
+        send = torch.cat([fill.to(torch.int32).view(g.ep_size, -1), head.expand(g.ep_size, -1)], 1)
+        self.gather, self.work = gather, None
         if g.ep is None:
             self.recv = send
         else:
-            self.recv = torch.empty_like(send)
+            self.recv = torch.empty_like(send)                  # [p, E_l + HEADER]
             self.work = comm.all_to_all(self.recv, send, g.ep, async_op=True)
 
-    def rows(self) -> Rows:
-        lay, g = self.lay, self.lay.groups
+    def read(self) -> tuple[list[list[int]], list]:
+        """The headers of every rank this one saw, and the counts received [s', p, E_l] (host ints)."""
         if self.work is not None:
             self.work.wait()
-        got = self.recv                                      # [p, E_l] from this rank's EP sources
-        if g.esp is not None:
-            got = self.recv.new_empty((g.esp_size, self.recv.numel()))
-            comm.all_gather(got, self.recv, g.esp)           # [s, p·E_l]: every ESP peer's sources
-        starts = torch.arange(lay.chunks).view(-1, 1, 1, 1) * lay.chunk_slots
-        counts = (got.cpu().long().view(1, g.esp_size, g.ep_size, -1) - starts).clamp(0, lay.chunk_slots)
-        return Rows(counts, lay.chunk_slots, self.recv.device)
+        got = self.recv.unsqueeze(0)
+        if self.gather is not None:
+            got = self.recv.new_empty((comm.size(self.gather), *self.recv.shape))
+            comm.all_gather(got, self.recv, self.gather)        # [s, p, E_l + HEADER]: every ESP peer's
+        host = got.tolist()                                     # the one copy to the host
+        e_l = len(host[0][0]) - HEADER
+        return [row[e_l:] for peer in host for row in peer], [[row[:e_l] for row in peer] for peer in host]
+
+    def rows(self, counts: list, lay: Layout) -> Rows:
+        """The layout's filled rows from the counts :meth:`read` returned. A layout without ESP whose counts
+        were gathered over it anyway ("deepspeed": its experts all-reduce over ESP, and the headers must
+        reach every rank of the layer) keeps its own: its ESP peers received the same (the headers' route
+        hashes say so)."""
+        if len(counts) != lay.groups.esp_size:
+            counts = [counts[comm.rank(self.gather)]]
+        c_r = lay.chunk_slots
+        blocks = [[[[min(max(f - i * c_r, 0), c_r) for f in row] for row in peer] for peer in counts]
+                  for i in range(lay.chunks)]
+        return Rows(blocks, c_r, self.recv.device)
 
 
 def _wavefront(chunks: int, stages: list[tuple[Callable, bool]], finish: Callable[[int], None]) -> None:

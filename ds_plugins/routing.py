@@ -82,7 +82,22 @@ def gating(gate: TopKGate, logits: torch.Tensor, used_token: torch.Tensor | None
     # and their gradient flows back through the cast to the gate in its own dtype.
     if gates.dtype in (torch.bfloat16, torch.float16):
         gates = gates.float()
-    return Routes(l_aux, int(capacity), indices, locations, gates, exp_counts)
+    return Routes(l_aux, _capacity(gate, capacity, logits.shape, cf), indices, locations, gates, exp_counts)
+
+
+_DROP_CAPACITY: dict[tuple, int] = {}
+
+
+def _capacity(gate: TopKGate, capacity: torch.Tensor, logits_shape, cf: float) -> int:
+    """The gate's capacity as an int. With token dropping DeepSpeed computes it from the shape, k, the
+    capacity factor and min_capacity alone (``_capacity``, a CPU tensor), so it is read once per such key
+    and remembered: a steady-state forward reads no tensor for it. Without dropping it is the routes'."""
+    if not gate.drop_tokens:
+        return int(capacity)
+    key = (gate.k, *logits_shape, cf, gate.min_capacity)
+    if key not in _DROP_CAPACITY:
+        _DROP_CAPACITY[key] = int(capacity)
+    return _DROP_CAPACITY[key]
 
 
 def _jittered(gate: TopKGate, x32: torch.Tensor, tokens: int, rows: slice) -> torch.Tensor:
@@ -103,24 +118,32 @@ def route(gate: TopKGate, x: torch.Tensor, used_token: torch.Tensor | None = Non
 
 
 def route_shard(gate: TopKGate, x_l: torch.Tensor, tokens: int, used_token: torch.Tensor | None,
-                mp_group, mp_rank: int, mp_size: int) -> tuple[Routes, int]:
+                mp_group, mp_rank: int, mp_size: int) -> tuple[Routes, torch.Tensor]:
     """S1: gate the S tokens of which this MP rank holds the block ``x_l`` (``torch.tensor_split`` order).
 
     Returns this block's routes (locations renumbered, see :func:`shard`) and the largest number of routes
-    any block sends one expert (the same on every MP rank). The gate weight goes through an MP copy: its
-    gradient is a partial sum over the blocks, all-reduced over MP in the backward (parm.md §2.7).
+    any block sends one expert (the same on every MP rank), a 0-d int64 tensor on the device: S1 agrees on
+    it without reading it where its fill counts' headers carry it (ds_plugins.schedules.s1). The gate
+    weight goes through an MP copy: its gradient is a partial sum over the blocks, all-reduced over MP in
+    the backward (parm.md §2.7).
     """
     with moe_timers.timed(gate, TOPK_GATE_TIMER):
         lo = sum(collectives.row_blocks(tokens, mp_size)[:mp_rank])
         x32 = _jittered(gate, x_l.float(), tokens, slice(lo, lo + x_l.shape[0]))
         logits_l = F.linear(x32, collectives.copy_to(gate.wg.weight.float(), mp_group))    # [S/N, E]
         logits = collectives.gather_rows(logits_l, mp_group, tokens)                      # [S, E]: AG(mp)
-        return shard(gating(gate, logits, used_token), mp_rank, mp_size)
+        return _shard(gating(gate, logits, used_token), mp_rank, mp_size)
 
 
 def shard(r: Routes, q: int, n: int) -> tuple[Routes, int]:
     """Block q of n of full-batch routes: its live routes to each expert renumbered 0, 1, ... in their
     slot order; and the largest number of live routes one block sends one expert (its capacity)."""
+    mine, most = _shard(r, q, n)
+    return mine, int(most)
+
+
+def _shard(r: Routes, q: int, n: int) -> tuple[Routes, torch.Tensor]:
+    """:func:`shard` with the capacity a 0-d int64 tensor on the routes' device (not read)."""
     k, tokens = r.indices.shape
     e = r.exp_counts.shape[0]
     sizes = collectives.row_blocks(tokens, n)
@@ -139,7 +162,7 @@ def shard(r: Routes, q: int, n: int) -> tuple[Routes, int]:
     cols = slice(lo, lo + sizes[q])
     mine = Routes(r.l_aux, r.capacity, r.indices[:, cols].contiguous(), locations[:, cols].contiguous(),
                   r.gates[:, cols].contiguous(), r.exp_counts)
-    return mine, max(1, int(counts.max()))
+    return mine, counts.max().clamp(min=1)
 
 
 def fill(r: Routes, num_experts: int) -> torch.Tensor:

@@ -12,14 +12,19 @@ V = E·C_buf·M. Wire volumes per rank (forward; the backward mirrors them, §2.
                (V₁ = E·C₁·M, C₁ ≈ C/N: the most routes one block of S/N tokens sends one expert)
 
 plus, with ``skip_empty_slots`` (the default), the fill counts that let the experts skip the empty slots
-(ds_plugins.overlap): A2A(ep) E·4·(p-1)/p and, in S1 and S2, AG(esp) E·4·(s-1) bytes, forward only.
-The experts then run on the F rows that hold a token instead of all of them (F ≤ k·S·p·s/E rows per
-expert where the slots number p·s·C_buf; "deepspeed" all-reduces F·M per expert, not C·p·M); the
-exchanges keep their fixed sizes.
+(ds_plugins.overlap), each EP peer's with this rank's header (ds_plugins.agreement.HEADER int32 words):
+A2A(ep) W·(p-1)/p and AG(esp) W·(s-1) bytes, W = (E + p·HEADER)·4, forward only. The experts then run on
+the F rows that hold a token instead of all of them (F ≤ k·S·p·s/E rows per expert where the slots number
+p·s·C_buf; "deepspeed" all-reduces F·M per expert, not C·p·M); the exchanges keep their fixed sizes.
 
-And the agreement on sizes (ds_plugins.agreement), forward only: every schedule agrees on S and the
-training flag before routing (AR(mp) of 4 int64, AR(ep) of 6), and where the capacity depends on the
-routes (no token dropping; always in S1) on it after routing (AR(mp) of 2 int64, AR(ep) of 3).
+And the agreement on sizes (ds_plugins.agreement), forward only: S and the training flag before routing
+(AR(mp) of 4 int64, AR(ep) of 6), except where the forward is sync-free (:func:`sync_free`: S2 and
+"deepspeed" in drop mode with the fill counts and ESP = MP or no MP), whose headers carry them; and where
+the capacity depends on the routes (no token dropping; always in S1) the capacity after routing (AR(mp) of
+2 int64, AR(ep) of 3), except in S1 with the fill counts and ESP = MP or no MP, whose headers carry it.
+The headers are checked in every forward that sends them, the route hashes of S2 and "deepspeed" included:
+MP ranks that route differently raise on every rank instead of mixing their slices (S2) or all-reducing
+rows of different sizes ("deepspeed").
 
 Every schedule routes exactly as DeepSpeed's gate on all S tokens (ds_plugins.routing) and returns
 ``(output [S, M] replicated over MP, l_aux, exp_counts)``.
@@ -33,7 +38,7 @@ from dataclasses import replace
 import torch
 from deepspeed.moe.sharded_moe import FIRST_ALLTOALL_TIMER, SECOND_ALLTOALL_TIMER
 
-from ds_plugins import agreement, collectives, experts, moe_timers, overlap, routing
+from ds_plugins import agreement, collectives, experts, moe_timers, overlap, routing, selector
 from ds_plugins.dispatch import combine, dispatch
 
 
@@ -49,21 +54,78 @@ def _layout(layer, capacity: int, mp_split: bool) -> overlap.Layout:
     return overlap.Layout(g, layer.num_experts, chunks, c_buf // (n * chunks), mp_split)
 
 
-def _expert_pass(layer, x: torch.Tensor, r: routing.Routes, lay: overlap.Layout, run=None) -> torch.Tensor:
+def _expert_pass(layer, x: torch.Tensor, r: routing.Routes, lay, run=None, *, tokens: int | None = None,
+                 gather=None, shared_routes: bool = False, capacity: torch.Tensor | None = None):
     """dispatch -> exchange to the experts -> the experts on their filled rows -> exchange back -> combine.
 
-    ``run(xs)`` computes the local experts' partial sums (default: ESP-sharded, no all-reduce inside).
+    ``lay``: the overlap.Layout, or (S1 with ``capacity``, this rank's 0-d device tensor) a function of the
+    layer's capacity, which the headers carry. ``run(xs)`` computes the local experts' partial sums
+    (default: ESP-sharded, no all-reduce inside). With ``skip_empty_slots`` the fill counts travel with
+    this rank's header (``tokens``, default S of ``x``; the route hash when ``shared_routes``), gathered
+    over ``gather`` (default the layout's ESP, that of the layer's groups), and the headers are checked
+    before the first exchange whose size depends on them.
     """
     e, s = layer.num_experts, layer.parm_groups.esp_size
-    fills = overlap.FillExchange(routing.fill(r, e), lay) if layer.skip_empty_slots else None  # A2A(ep)
-    buf = dispatch(x, r.indices, r.locations, e, lay.capacity)                    # [E, C_buf, M]
-    rows = overlap.Rows.every(lay, x.device) if fills is None else fills.rows()   # AG(esp) of E int32
+    g = lay.groups if capacity is None else layer.parm_groups
+    fills = None
+    if layer.skip_empty_slots:
+        lo = g.mp_rank * lay.chunks * lay.chunk_slots if capacity is None and lay.mp_split else 0
+        hashed = agreement.route_hash(r.indices, r.locations) if shared_routes else None
+        head = agreement.header(x.shape[0] if tokens is None else tokens, layer.gate.training, None, hashed,
+                                g, x.device, lay.capacity if capacity is None else capacity)
+        fills = overlap.FillExchange(routing.fill(r, e) - lo, head, g,                     # A2A(ep)
+                                     g.esp if gather is None else gather)
+    if capacity is None:                  # dispatch overlaps the fill counts' all-to-all
+        buf = dispatch(x, r.indices, r.locations, e, lay.capacity)                # [E, C_buf, M]
+    if fills is None:
+        rows = overlap.Rows.every(lay, x.device)
+    else:
+        heads, counts = fills.read()                                              # AG(esp) of E int32
+        agreed = agreement.check_headers(heads, layer.parm_groups, layer.gate.drop_tokens)
+        if capacity is not None:
+            lay = lay(agreed)
+            buf = dispatch(x, r.indices, r.locations, e, lay.capacity)
+        rows = fills.rows(counts, lay)
     with moe_timers.timed(layer.deepspeed_moe, FIRST_ALLTOALL_TIMER):
         hs = overlap.to_experts(buf, lay, rows)                                   # E_l x [F_j, M]
     ys = experts.partial_sums(layer.local_experts, hs, s) if run is None else run(hs)
     with moe_timers.timed(layer.deepspeed_moe, SECOND_ALLTOALL_TIMER):
         out = overlap.from_experts(ys, lay, rows)                                 # [E, C_buf, M]
     return combine(out, r.indices, r.locations, r.gates)
+
+
+def _full_view(g) -> bool:
+    """The fill exchange's headers reach every rank of the layer: it all-gathers over ESP = MP, or there is
+    no MP (ds_plugins.agreement, HEADER)."""
+    return g.mp is None or g.esp is not None
+
+
+def sync_free(layer) -> bool:
+    """Whether the layer's forward skips the token agreement (ds_plugins.agreement.tokens): its header
+    travels with the fill counts instead, and is checked before any exchange whose size depends on it.
+
+    Safe where (1) every schedule the layer may run starts with the same fixed-size collectives, the fill
+    exchange: S2 and "deepspeed" do, S1 starts with its logits' all-gather sized by S (so a fixed
+    schedule, or "auto" without MP, whose candidates are "deepspeed" and S2); (2) the capacity is a function
+    of S and the mode alone (drop mode; without dropping it depends on the routes and is agreed after
+    routing); (3) the headers reach every rank of the layer: the fill exchange all-gathers over ESP = MP,
+    or there is no MP (with ESP = 1 < MP a rank sees its EP group's headers only); (4) the fill counts
+    travel at all (``skip_empty_slots``). The layer's settings are agreed at set-up, so every rank of it
+    decides alike.
+    """
+    g = layer.parm_groups
+    options = selector.candidates(g) if layer.schedule == "auto" else (layer.schedule,)
+    return layer.skip_empty_slots and layer.gate.drop_tokens and "s1" not in options and _full_view(g)
+
+
+def refuse(layer, error: str) -> None:
+    """A sync-free forward on a rank that refused its input (ds_plugins.inputs): it sends the header that
+    says so where its peers send their fill counts (the same collectives), and raises what they raise."""
+    g, device = layer.parm_groups, layer.gate.wg.weight.device
+    head = agreement.header(0, layer.gate.training, error, None, g, device)
+    fills = overlap.FillExchange(torch.zeros(layer.num_experts, dtype=torch.int32, device=device), head, g,
+                                 g.esp)
+    agreement.check_headers(fills.read()[0], g, layer.gate.drop_tokens, error)
 
 
 def deepspeed(layer, x: torch.Tensor, used_token: torch.Tensor | None):
@@ -82,7 +144,8 @@ def deepspeed(layer, x: torch.Tensor, used_token: torch.Tensor | None):
     # which thus receive the same rows, all-reduce their partial sums: A2A(ep) V, AR(esp) V.
     ep_only = overlap.Layout(replace(g, esp=None, esp_size=1, esp_rank=0), e, 1, c, mp_split=False)
     out = _expert_pass(layer, x, r, ep_only,
-                       lambda hs: experts.tensor_parallel(layer.local_experts, hs, g.esp, g.esp_size))
+                       lambda hs: experts.tensor_parallel(layer.local_experts, hs, g.esp, g.esp_size),
+                       gather=g.esp, shared_routes=g.esp is not None)
     return out, r.l_aux, r.exp_counts
 
 
@@ -94,16 +157,22 @@ def s2(layer, x: torch.Tensor, used_token: torch.Tensor | None):
         routing.check_consistent(r, g.mp)
     c = r.capacity if layer.gate.drop_tokens else agreement.capacity(r.capacity, g, x.device)
     lay = _layout(layer, c, mp_split=True)                                       # 2-8: split, A2A, AG, RS,
-    return _expert_pass(layer, x, r, lay), r.l_aux, r.exp_counts                 #      A2A, AG(mp); 9
+    out = _expert_pass(layer, x, r, lay, shared_routes=g.esp is not None)        #      A2A, AG(mp); 9
+    return out, r.l_aux, r.exp_counts
 
 
 def s1(layer, x: torch.Tensor, used_token: torch.Tensor | None):
     """S1 (§2.3): MP off before the gate (token split), on after combine (AG over MP)."""
     g, tokens = layer.parm_groups, x.shape[0]
     x_l = collectives.split_rows(x, g.mp)                                        # 0: S -> S/N tokens
-    r, mine = routing.route_shard(layer.gate, x_l, tokens, used_token, g.mp, g.mp_rank, g.mp_size)
-    c = agreement.capacity(mine, g, x.device)                                    # 1: GEMM on S/N, gating on S
-    out_l = _expert_pass(layer, x_l, r, _layout(layer, c, mp_split=False))       # 2-7
+    r, most = routing.route_shard(layer.gate, x_l, tokens, used_token, g.mp, g.mp_rank, g.mp_size)
+    if layer.skip_empty_slots and _full_view(g):                                 # 1: GEMM on S/N, gating on S
+        # the capacity rides on the fill counts' headers (sent from slot 0: no layout needed before)
+        out_l = _expert_pass(layer, x_l, r, lambda c: _layout(layer, c, mp_split=False), tokens=tokens,
+                             capacity=most)                                      # 2-7
+    else:
+        c = agreement.capacity(int(most), g, x.device)
+        out_l = _expert_pass(layer, x_l, r, _layout(layer, c, mp_split=False), tokens=tokens)
     return collectives.gather_rows(out_l, g.mp, tokens), r.l_aux, r.exp_counts   # 8: AG(mp), S·M
 
 

@@ -29,11 +29,13 @@ import json
 import sys
 
 from commweave import values
-from launch.plan import baselines, gain
+from launch.plan import baselines, gain, inputs
 from launch.plan import topology as topology_mod
 from launch.plan.estimate import ModelSpec, stage_layers
 from launch.plan.placement import (
+    DEFAULT_ENGINE,
     DEFAULT_SHARING,
+    ENGINES,
     SHARINGS,
     UNVALIDATED,
     atlas_layouts,
@@ -65,17 +67,18 @@ def table(model: ModelSpec, atlas: Choice, others: dict[str, Choice | None],
     tokens = model.global_batch * model.seq
     rows = [("ATLAS", atlas, "")] + ([("ATLAS, across DCs", across, "")] if across else [])
     rows += [(baselines.NAMES[k], c, baselines.LIMITS[k]) for k, c in others.items()]
-    head = (f"  {'system':<18} {'layout':<62} {'iteration s':>11} {'tokens/s':>10} {'GPU util':>8} "
-            f"{'WAN GB':>7} {'ATLAS x':>7}  held back by (the real system's limits)")
-    lines = [title or "baselines (same topology, same simulator, each with its own system's freedom; "
-                      "WAN GB = bytes over the WAN per iteration)", head]
+    head = (f"  {'system':<18} {'layout':<62} {'schedule':<9} {'iteration s':>11} {'tokens/s':>10} "
+            f"{'GPU util':>8} {'WAN GB':>7} {'ATLAS x':>7}  held back by (the real system's limits)")
+    lines = [title or "baselines (same topology, same simulator, each with its own system's freedom and its "
+                      "engine's schedule; WAN GB = bytes over the WAN per iteration)", head]
     for name, c, limit in rows:
         if c is None:
             dash = f"{'-':>11} {'-':>10} {'-':>8} {'-':>7} {'-':>7}"
-            lines.append(f"  {name:<18} {'no layout fits':<62} {dash}  {limit}")
+            lines.append(f"  {name:<18} {'no layout fits':<62} {'':<9} {dash}  {limit}")
             continue
         r = c.result
-        lines.append(f"  {name:<18} {describe(c):<62} {r.iteration:>11.4g} {tokens / r.iteration:>10.4g} "
+        lines.append(f"  {name:<18} {describe(c):<62} {c.layout.schedule:<9} {r.iteration:>11.4g} "
+                     f"{tokens / r.iteration:>10.4g} "
                      f"{100 * r.utilisation:>7.0f}% {r.wan_bytes / 1e9:>7.4g} "
                      f"{r.iteration / atlas.result.iteration:>6.2f}x  {limit}")
     return "\n".join(lines)
@@ -101,7 +104,8 @@ def _fastest(choices: dict[str, Choice | None]) -> tuple[str | None, float | Non
 
 def summary(topo: Topology, model: ModelSpec, atlas: Choice, others: dict[str, Choice | None],
             across: Choice | None = None, same: dict[str, Choice | None] | None = None,
-            steps: list[gain.Step] = (), same_steps: list[gain.Step] = ()) -> dict:
+            steps: list[gain.Step] = (), same_steps: list[gain.Step] = (),
+            measured: inputs.Measured | None = None) -> dict:
     r, lay = atlas.result, atlas.layout
     times = {k: (c.result.iteration if c else None) for k, c in others.items()}
     name, fastest = _fastest(others)
@@ -130,6 +134,9 @@ def summary(topo: Topology, model: ModelSpec, atlas: Choice, others: dict[str, C
         "gain_steps_same_gpus": [{"step": st.label, "seconds": st.seconds, "ratio": st.ratio}
                                  for st in same_steps],
         "atlas_across_dcs_s": across.result.iteration if across else None,
+        "engine": lay.schedule,
+        "wan_windows": [{"link": [w.a, w.b], "window_mb": w.bytes / 2**20, "source": w.source,
+                         "from": w.where} for w in inputs.windows(topo, measured or {}, DEFAULT_WINDOW)],
     }
 
 
@@ -149,6 +156,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="how DP replicas share a WAN link: at once (spatial, the default), taking turns "
                          "(temporal), or the faster by the simulator (auto); temporal and auto are "
                          f"{UNVALIDATED}")
+    ap.add_argument("--engine", default=DEFAULT_ENGINE, metavar="|".join(ENGINES),
+                    help="the training engine ATLAS runs on, whose call order ranks its layouts (default "
+                         "deepspeed: what deepspeed-atlas launches; megatron: a Megatron-LM script with "
+                         "launch.run.runtime.enable_megatron)")
+    ap.add_argument("--link", action="append", metavar="A:B=FILE",
+                    help="the TCP window of the WAN link A-B as measured on it (FILE: python -m "
+                         "benchmarks.wan --json FILE); repeat per link; else the topology's window_mb, else "
+                         "Linux's default")
     ap.add_argument("--timeline", metavar="FILE.png", help="draw ATLAS's iteration, one row per GPU")
     ap.add_argument("--timeline-span", metavar="START:END", type=_span, default=None,
                     help="draw only this part of the iteration, in seconds (default: all of it)")
@@ -167,10 +182,11 @@ def main(argv: list[str] | None = None) -> int:
                 values.write_target(path, flag)
         if args.timeline:
             _need_matplotlib()
-        topo = topology_mod.load(args.topology)
+        topo, measured = inputs.apply_links(topology_mod.load(args.topology), args.link)
         model = load_model(topo, args.atlas_model)
         sharings = sharing_modes(args.sharing, "--sharing")
-        atlas = choose(topo, model, args.wan_connections, args.sharing, DEFAULT_WINDOW)
+        values.choice(args.engine, "--engine", ENGINES)
+        atlas = choose(topo, model, args.wan_connections, args.sharing, DEFAULT_WINDOW, args.engine)
         plan = plan_of(topo, model, atlas, DEFAULT_WINDOW)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -185,10 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         steps = gain.decompose(topo, model, atlas, others, DEFAULT_WINDOW)
     across = None
     if not args.no_baselines and not atlas.layout.crosses_wan and len(topo.datacenters) > 1:
-        spanning = (lay for lay in atlas_layouts(topo, model, DEFAULT_WINDOW, args.wan_connections)
-                    if lay.crosses_wan)
+        spanning = (lay for lay in atlas_layouts(topo, model, DEFAULT_WINDOW, args.wan_connections,
+                                                 engine=args.engine) if lay.crosses_wan)
         across = best(topo, model, spanning, DEFAULT_WINDOW, sharings)
     print(render(plan, topo, model))
+    print("\n".join(inputs.render(topo, measured, DEFAULT_WINDOW)))
     if not args.no_baselines:
         print(table(model, atlas, others, across))
         print(table(model, atlas, same, title=f"the baselines on ATLAS's own {plan.world_size} GPUs (the "
@@ -207,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"ATLAS on {topo.source}: pp={plan.pp} tp={plan.tp} dp={plan.dp}, "
              f"{r.iteration:.3g} s per iteration, GPU utilisation {100 * r.utilisation:.0f}%")
     ops = list(atlas.result.ops)   # the iteration's ops (launch.plan.timeline.Op)
-    out = summary(topo, model, atlas, others, across, same, steps, same_steps)
+    out = summary(topo, model, atlas, others, across, same, steps, same_steps, measured)
     if args.bubbletea:
         from launch.bubbletea.simulate import for_plan, render_line
 

@@ -27,7 +27,10 @@ printed with the table), never by the comparison:
 All of them: one TCP connection per rank pair (NCCL's socket transport on a non-cloud NIC and gloo's
 defaults, atlas.md §2.1) and spatial sharing (plain TCP fairness: no system but ATLAS takes turns on a WAN
 link), the same per-connection window as ATLAS (the topology's ``window_mb`` or Linux's default), the
-same costs (launch.plan.estimate) and the same 1F1B schedule.
+same costs (launch.plan.estimate), and the call order of the engine each really runs (:data:`SCHEDULES`,
+the blocking executor of launch.plan.deepspeed_schedule): DeepSpeed's TrainSchedule for DeepSpeed,
+Megatron's non-interleaved 1F1B for Megatron-LM and the DP-across-the-WAN pipelines. Varuna's own
+schedule (opportunistic 1F1B with recomputation) is not modelled: Megatron's 1F1B calls stand in for it.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ LIMITS = {
     "varuna": "1 TCP connection, spatial sharing; even layers; no TP (Varuna: PP + DP only)",
     "dp-wan": "1 TCP connection, spatial sharing; even layers; gradients over the WAN",
 }
+SCHEDULES = {"deepspeed": "deepspeed", "megatron": "megatron", "varuna": "megatron", "dp-wan": "megatron"}
 # hostfile orders tried: every order of every subset of the DCs up to this many DCs, else file order
 _ORDERED_DCS = 4
 
@@ -107,7 +111,7 @@ def _hostfile_orders(topo: Topology) -> list[tuple[str, ...]]:
     return [order for k in range(1, len(names) + 1) for order in permutations(names, k)]
 
 
-def _stock(topo: Topology, model: ModelSpec, split) -> Iterator[Layout]:
+def _stock(topo: Topology, model: ModelSpec, split, schedule: str) -> Iterator[Layout]:
     """Every hostfile order and (pp, tp, dp): ranks in hostfile order, stage s on ranks [s·tp·dp, ...)."""
     seen = set()
     for order in _hostfile_orders(topo):
@@ -131,15 +135,15 @@ def _stock(topo: Topology, model: ModelSpec, split) -> Iterator[Layout]:
             speeds = [min(topo.dc(d).gpu_flops for d in stage) for stage in dc]
             layers = split(model.layers, speeds, _caps(topo, model, dc, tp))
             if layers is not None:
-                yield Layout(tp, dc, tuple(layers))
+                yield Layout(tp, dc, tuple(layers), schedule=schedule)
 
 
 def deepspeed_layouts(topo: Topology, model: ModelSpec) -> Iterator[Layout]:
-    return _stock(topo, model, even_split)
+    return _stock(topo, model, even_split, SCHEDULES["deepspeed"])
 
 
 def megatron_layouts(topo: Topology, model: ModelSpec) -> Iterator[Layout]:
-    return _stock(topo, model, megatron_split)
+    return _stock(topo, model, megatron_split, SCHEDULES["megatron"])
 
 
 def varuna_layouts(topo: Topology, model: ModelSpec) -> Iterator[Layout]:
@@ -150,7 +154,7 @@ def varuna_layouts(topo: Topology, model: ModelSpec) -> Iterator[Layout]:
             dc = tuple((d,) * dp for d in stage_dc)
             layers = even_split(model.layers, [1.0] * pp, _caps(topo, model, dc, 1))
             if layers is not None:
-                yield Layout(1, dc, tuple(layers))
+                yield Layout(1, dc, tuple(layers), schedule=SCHEDULES["varuna"])
 
 
 def dp_wan_layouts(topo: Topology, model: ModelSpec) -> Iterator[Layout]:
@@ -174,7 +178,8 @@ def dp_wan_layouts(topo: Topology, model: ModelSpec) -> Iterator[Layout]:
                         counts[d] += 1
                         left -= 1
             replicas = tuple(d for d in holders for _ in range(counts[d]))   # ranks ordered by DC
-            lay = Layout(tp, (replicas,) * pp, tuple(stage_layers(model.layers, pp)))
+            lay = Layout(tp, (replicas,) * pp, tuple(stage_layers(model.layers, pp)),
+                         schedule=SCHEDULES["dp-wan"])
             if lay not in seen:
                 seen.add(lay)
                 yield lay

@@ -17,7 +17,10 @@ the last backward of stage s ends no earlier than each of
                                                                      round trip; nB = M−1−warm-up)
     fill_s + r·t_f + q·(t_f + R_s + t_b) + t_f + R_s + t_b          (1F1B: F(s, m+k_s) waits for
                                                                      B(s, m); M−1 = q·k_s + r)
-and stage s' < s ends after that plus the backward chain down to s'. Then a stage's all-reduce
+and stage s' < s ends after that plus the backward chain down to s'. DeepSpeed's order adds its
+receives and a tighter in-flight limit per boundary (:func:`_deepspeed_calls`); a job whose replicas
+run in lockstep is bounded as the one replica the engines simulate
+(launch.plan.deepspeed_schedule.lockstep). Then a stage's all-reduce
 (its intra-DC part, each WAN flow alone). And each WAN direction carries all its bytes at no more
 than its bandwidth, starting no earlier than its first possible release and followed by the least
 work any of its transfers still leads to.
@@ -25,12 +28,18 @@ work any of its transfers still leads to.
 
 from __future__ import annotations
 
-from launch.plan.simulate import Job
+from launch.plan.deepspeed_schedule import lockstep
+from launch.plan.simulate import ENGINES, Job
 
 
 def lower_bound(job: Job) -> float:
+    if job.schedule in ENGINES:
+        job = lockstep(job) or job        # the engines simulate such a job as one replica, exactly
     S, D, M, A = job.stages, job.replicas, job.micro_batches, job.act_bytes
-    one_f1b = job.schedule == "1f1b"
+    # DeepSpeed's TrainSchedule and Megatron's non-interleaved schedule run their compute in 1F1B order
+    # (warm-up S − s − 1, then F and B alternate: deepspeed_schedule.py, megatron_schedule.py), only
+    # later (their blocking calls add waits), so 1F1B's in-flight limits bound them too
+    one_f1b = job.schedule in ("1f1b", "deepspeed", "megatron")
     stage_end = [0.0] * S
     wan_bytes: dict[tuple[str, str], float] = {}
     wan_bw: dict[tuple[str, str], float] = {}
@@ -49,7 +58,7 @@ def lower_bound(job: Job) -> float:
                tuple(job.routes[e][d] for e in range(S - 1)))
         columns[key] = columns.get(key, 0) + 1
     for (tf0, tb0, routes), copies in columns.items():
-        if job.blocking_sends:
+        if job.blocking_sends or job.schedule in ENGINES:
             # a row is busy until its send has left: ops last compute + send alone, hops the latency
             send = [r.alone(A) - r.latency for r in routes]
             tf = [tf0[s] + (send[s] if s < S - 1 else 0.0) for s in range(S)]
@@ -76,6 +85,8 @@ def lower_bound(job: Job) -> float:
             E.append(e)
         if one_f1b:
             _window_cycles(E, tf, tb, hop, fill, R, M)
+        if job.schedule == "deepspeed":
+            _deepspeed_calls(E, tf0, tf, tb, send, hop, fill, R, M)
         for s in range(S):
             end = max(E[x] + drain[x] - drain[s] for x in range(s, S))
             stage_end[s] = max(stage_end[s], end)
@@ -127,3 +138,27 @@ def _window_cycles(E: list[float], tf, tb, hop, fill, R, M: int) -> None:
             t = s + j
             first_b = fill[t] + tf[t] + R[t] + tb[t]
             E[t] = max(E[t], first_b + q * cycle + (M - 1 - q * (j + 1)) * tb[t])
+
+
+def _deepspeed_calls(E: list[float], tf0, tf, tb, send, hop, fill, R, M: int) -> None:
+    """What DeepSpeed's one-call-at-a-time order adds (raises E in place).
+
+    Every call blocks the rank until it is done, receives included: a receive lasts at least its
+    transfer and latency (send_e + hop_e), so after F(s, 0) stage s spends at least
+        M·(t_f,s + t_b,s) + (M − 1)·(send_{s−1} + hop_{s−1}) + M·(send_s + hop_s)
+    (its compute and sends, then the activations after the first and every gradient it receives).
+    And its backward step receives gradient m and only then sends activation m + w (w = S − s − 1,
+    train_schedule), so activation m + w leaves stage s no earlier than one round trip after
+    activation m did: its transfer (send_s), and R_s from its arrival to gradient m's:
+        T(m + w) >= T(m) + send_s + R_s,   T(r) >= fill_s + (r + 1)·t_f,s   (r < w)
+    and B(s, M−1) ends no earlier than T(M−1) + send_s + R_s + t_b,s. With 2 stages (w = 1) that is
+    every micro-batch paying a transfer, the last stage's forward and backward and a transfer back."""
+    S = len(E)
+    for s in range(S):
+        recv_act = send[s - 1] + hop[s - 1] if s > 0 else 0.0
+        recv_grad = send[s] + hop[s] if s < S - 1 else 0.0
+        E[s] = max(E[s], fill[s] + M * (tf[s] + tb[s]) + (M - 1) * recv_act + M * recv_grad)
+        if s < S - 1:
+            w = S - s - 1
+            q, r = divmod(M - 1, w)
+            E[s] = max(E[s], fill[s] + (r + 1) * tf0[s] + (q + 1) * (send[s] + R[s]) + tb[s])

@@ -1,7 +1,8 @@
 """DeepSpeed's pipeline engine as it really runs: its instruction stream and blocking point-to-point calls.
 
 ``Job(schedule="deepspeed")`` makes :func:`launch.plan.simulate.simulate` run this executor instead of
-the idealised 1F1B. What DeepSpeed 0.19's ``PipelineEngine.train_batch`` does on every rank:
+the idealised 1F1B (checked against real DeepSpeed runs: benchmarks/atlas_calibration.py). What
+DeepSpeed 0.19's ``PipelineEngine.train_batch`` does on every rank:
 
 - It walks ``deepspeed.runtime.pipe.schedule.TrainSchedule`` (reproduced by :func:`train_schedule` and
   compared with DeepSpeed's own in the tests): 2(M + S − 1) steps, a stage's forward steps on one
@@ -20,14 +21,23 @@ the idealised 1F1B. What DeepSpeed 0.19's ``PipelineEngine.train_batch`` does on
   the receiver one latency later. With temporal sharing the sender first waits for its token
   (launch/net/wan_p2p.py holds it for the whole transfer), modelled by the token rings of
   :class:`launch.plan.fluid.WanDirection`.
-- The last step ends with ReduceTiedGrads, ReduceGrads and OptimizerStep (``Collective.seconds`` of the
-  stage, inside its data center), then the last stage broadcasts the loss to the pipeline's other
-  stages over the pipe group (one one-way latency per boundary on the way back to stage 0).
+- The last step ends with ReduceTiedGrads, ReduceGrads and OptimizerStep: the stage's DP group
+  all-reduces its gradients, a collective that starts when every replica of the stage has reached it,
+  for ``Collective.seconds`` inside the data centers and, for a group that spans data centers, its WAN
+  flows (launch.plan.estimate: ring hops), which share the WAN directions with every transfer still
+  in flight; then the last stage broadcasts the loss to the pipeline's other stages over the pipe
+  group (one one-way latency per boundary on the way back to stage 0).
+
+The same executor runs Megatron-LM's order (``Job(schedule="megatron")``,
+:mod:`launch.plan.megatron_schedule`): its combined calls post a send and a receive at once and wait
+for both, and it has no loss broadcast. These are the schedules the planner ranks layouts by
+(launch.plan.search): DeepSpeed's for ATLAS and the DeepSpeed baseline, Megatron's for the others.
 """
 
 from __future__ import annotations
 
 import heapq
+from dataclasses import replace
 from itertools import count
 
 from launch.plan.fluid import Flow, WanDirection
@@ -69,27 +79,66 @@ def train_schedule(stage: int, stages: int, micro_batches: int) -> list[tuple[st
     return out
 
 
+def program(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple]:
+    """A stage's instructions for the executor: ("F" | "B", m), ("step", -1) or ("p2p", channels), a
+    blocking call that posts every (channel, m) of ``channels`` at once and returns when all are done:
+    DeepSpeed's instructions one transfer per call, Megatron's (launch.plan.megatron_schedule) with its
+    combined send+recv calls."""
+    if schedule == "megatron":
+        from launch.plan import megatron_schedule
+
+        return megatron_schedule.train_schedule(stage, stages, micro_batches)
+    return [(k, m) if k in ("F", "B", "step") else ("p2p", ((k, m),))
+            for k, m in train_schedule(stage, stages, micro_batches)]
+
+
 def run(job) -> tuple[float, list[tuple], list[Op], float]:
-    """One iteration of ``job`` (a :class:`launch.plan.simulate.Job`) under DeepSpeed's engine: its
-    length, the transfers (the fields of :class:`launch.plan.simulate.Transfer`, in order), the ops,
-    and the bytes over the WAN. :func:`launch.plan.simulate.simulate` wraps them in its Result."""
-    return _Engine(job).run()
+    """One iteration of ``job`` (a :class:`launch.plan.simulate.Job` with schedule "deepspeed" or
+    "megatron") on its engine: its length, the transfers (the fields of
+    :class:`launch.plan.simulate.Transfer`, in order), the ops, and the bytes over the WAN.
+    :func:`launch.plan.simulate.simulate` wraps them in its Result. A job in lockstep
+    (:func:`lockstep`) runs one replica and copies it to the others."""
+    one = lockstep(job)
+    if one is None:
+        return _Engine(job).run()
+    end, transfers, ops, wan = _Engine(one).run()
+    D = job.replicas
+    return (end, [(*t[:3], d, *t[4:]) for d in range(D) for t in transfers],
+            [Op(o.stage, d, o.kind, o.start, o.end, o.micro_batch) for d in range(D) for o in ops], D * wan)
+
+
+def lockstep(job):
+    """The one-replica job that runs exactly as each of ``job``'s replicas, or None.
+
+    D identical replicas (compute, routes) that share the WAN spatially and whose DP all-reduces stay
+    inside the data centers run in lockstep: every WAN direction carries D copies of each transfer at
+    once, and fluid.py's per-connection fair share gives each min(window/RTT, bandwidth / (D·w)) per
+    connection, what one replica gets on a link of bandwidth/D. So the planner's jobs (every stage in
+    one DC) cost one replica's events instead of D's, and their lower bound (launch.plan.bound) is that
+    of the one-replica job."""
+    D = job.replicas
+    if D == 1 or any(len(set(row)) > 1 for row in (*job.t_f, *job.t_b, *job.routes)):
+        return None
+    if any(c.flows for c in job.collectives):
+        return None
+    if job.sharing != "spatial" and any(r[0].wan for r in job.routes):
+        return None
+    routes = tuple((replace(r[0], bandwidth=r[0].bandwidth / D) if r[0].wan else r[0],) for r in job.routes)
+    return replace(job, t_f=tuple(t[:1] for t in job.t_f), t_b=tuple(t[:1] for t in job.t_b), routes=routes)
 
 
 class _Engine:
     def __init__(self, job) -> None:
         self.job = job
         S, D = job.stages, job.replicas
-        for s, c in enumerate(job.collectives):
-            if c.flows:
-                raise ValueError(f"simulate: schedule 'deepspeed' keeps each stage's DP group in one data "
-                                 f"center; stage {s}'s all-reduce crosses the WAN")
-        self.prog = [train_schedule(s, S, job.micro_batches) for s in range(S)]
+        self.prog = [program(job.schedule, s, S, job.micro_batches) for s in range(S)]
         self.pc = [[0] * D for _ in range(S)]
         self.heap: list[tuple] = []
         self.seq = count()
         self.links: dict[tuple[str, str], WanDirection] = {}
         self.posted: dict[tuple, tuple[str, float]] = {}   # channel -> (side already posted, when)
+        self.waiting = [[[0, 0.0] for _ in range(D)] for _ in range(S)]   # [calls left, latest end]
+        self.stepping: dict[int, list] = {}   # stage -> [rows in "step", start, end so far, flows left]
         self.crossing = [[d for d in range(D) if job.routes[e][d].wan] for e in range(S - 1)]
         self.pos = [{d: i for i, d in enumerate(c)} for c in self.crossing]
         self.finished = [[INF] * D for _ in range(S)]
@@ -120,15 +169,15 @@ class _Engine:
         stuck = [(s, d, self.prog[s][self.pc[s][d]]) for s in range(S) for d in range(D)
                  if self.pc[s][d] < len(self.prog[s])]
         if stuck:
-            raise RuntimeError(f"simulate: DeepSpeed's schedule deadlocked at {stuck[:4]}")
-        # the last stage broadcasts the loss back along the pipeline (pipe group: one hop per boundary)
-        end = 0.0
-        for d in range(D):
-            back = self.finished[S - 1][d]
-            end = max(end, back)
-            for s in range(S - 2, -1, -1):
-                back += job.routes[s][d].latency
-                end = max(end, self.finished[s][d], back)
+            raise RuntimeError(f"simulate: {job.schedule}'s schedule deadlocked at {stuck[:4]}")
+        end = max(max(row) for row in self.finished)
+        if job.schedule == "deepspeed":
+            # DeepSpeed's last stage broadcasts the loss back along the pipeline (one hop per boundary)
+            for d in range(D):
+                back = self.finished[S - 1][d]
+                for s in range(S - 2, -1, -1):
+                    back += job.routes[s][d].latency
+                    end = max(end, back)
         return end, self.transfers, self.timeline, sum(link.carried for link in self.links.values())
 
     def _wake(self, s: int, d: int, t: float) -> None:
@@ -147,14 +196,48 @@ class _Engine:
             self.timeline.append(Op(s, d, "forward" if kind == "F" else "backward", t, t + dur, m))
             self._wake(s, d, t + dur)
         elif kind == "step":
-            dur = job.collectives[s].seconds if job.collectives else 0.0
-            if dur > 0:
-                self.timeline.append(Op(s, d, "allreduce", t, t + dur))
-            self._wake(s, d, t + dur)
+            self._step(s, t)
         else:
-            fwd = kind.endswith("act")
-            e = (s if kind == "send_act" else s - 1) if fwd else (s - 1 if kind == "send_grad" else s)
-            self._post((e, fwd, m, d), "send" if kind.startswith("send") else "recv", t)
+            self.waiting[s][d] = [len(m), t]
+            for name, mb in m:
+                fwd = name.endswith("act")
+                e = (s if name == "send_act" else s - 1) if fwd else (s - 1 if name == "send_grad" else s)
+                self._post((e, fwd, mb, d), "send" if name.startswith("send") else "recv", t)
+
+    def _step(self, s: int, t: float) -> None:
+        """A row of stage s entered the end-of-batch step: the DP group's gradient all-reduce starts
+        when all its replicas have (a collective), for ``Collective.seconds`` inside the DCs alongside
+        its WAN flows (a group that spans data centers), which share the links with every other
+        transfer; then every replica goes on (the optimizer step is part of ``seconds``)."""
+        state = self.stepping.setdefault(s, [0, 0.0, 0.0, 0])
+        state[0] += 1
+        if state[0] < self.job.replicas:
+            return
+        c = self.job.collectives[s] if self.job.collectives else None
+        state[1:] = [t, t + (c.seconds if c else 0.0), len(c.flows) if c else 0]
+        for i, w in enumerate(c.flows if c else ()):
+            self._link(w.src, w.dst, w.bandwidth, w.stream_cap, t).add(
+                Flow(("coll", s, i), t, w.nbytes, w.streams, w.latency), t)
+        if state[3] == 0:
+            self._step_done(s)
+
+    def _step_done(self, s: int) -> None:
+        _, start, end, _ = self.stepping[s]
+        for d in range(self.job.replicas):
+            if end > start:
+                self.timeline.append(Op(s, d, "allreduce", start, end))
+            self._wake(s, d, end)
+
+    def _link(self, src: str, dst: str, bandwidth: float, stream_cap: float, t: float) -> WanDirection:
+        link = self.links.get((src, dst))
+        if link is None:
+            link = self.links[(src, dst)] = WanDirection(bandwidth, stream_cap)
+            link.t = t
+        elif (link.bandwidth, link.stream_cap) != (bandwidth, stream_cap):
+            raise ValueError(f"simulate: WAN {src}->{dst} given (bandwidth, stream_cap) "
+                             f"{(link.bandwidth, link.stream_cap)} and {(bandwidth, stream_cap)}: one path, "
+                             "one bandwidth and one window")
+        return link
 
     def _post(self, channel: tuple, side: str, t: float) -> None:
         """One side of a transfer entered its blocking call; the transfer starts when both have."""
@@ -175,10 +258,7 @@ class _Engine:
             self._delivered(channel, done, done + r.latency)
             return
         src, dst = r.wan if fwd else r.wan[::-1]
-        link = self.links.get((src, dst))
-        if link is None:
-            link = self.links[(src, dst)] = WanDirection(r.bandwidth, r.stream_cap)
-            link.t = t
+        link = self._link(src, dst, r.bandwidth, r.stream_cap, t)
         flow = Flow(channel, t, nbytes, r.streams, r.latency)
         if self.job.sharing == "temporal":
             link.add(flow, t, ring=(e, fwd), token=m * len(self.crossing[e]) + self.pos[e][d])
@@ -186,6 +266,13 @@ class _Engine:
             link.add(flow, t)
 
     def _flow_done(self, f: Flow, t: float) -> None:
+        if f.key[0] == "coll":
+            state = self.stepping[f.key[1]]
+            state[2] = max(state[2], f.arrives)
+            state[3] -= 1
+            if state[3] == 0:
+                self._step_done(f.key[1])
+            return
         e, fwd, m, d = f.key
         self.transfers.append((e, fwd, m, d, f.released, f.started, f.done, f.latency, True))
         src, dst = (e, e + 1) if fwd else (e + 1, e)
@@ -194,8 +281,13 @@ class _Engine:
         self._delivered(f.key, f.done, f.arrives)
 
     def _delivered(self, channel: tuple, sent: float, arrived: float) -> None:
-        """The sender's call returns when its last byte left, the receiver's when it arrived."""
+        """The sender's side of a call is done when its last byte left, the receiver's when it arrived;
+        a row's call returns when every transfer it posted is done."""
         e, fwd, _m, d = channel
         src, dst = (e, e + 1) if fwd else (e + 1, e)
-        self._wake(src, d, sent)
-        self._wake(dst, d, arrived)
+        for s, done in ((src, sent), (dst, arrived)):
+            w = self.waiting[s][d]
+            w[0] -= 1
+            w[1] = max(w[1], done)
+            if w[0] == 0:
+                self._wake(s, d, w[1])

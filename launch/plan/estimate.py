@@ -29,7 +29,7 @@ from itertools import pairwise
 
 from commweave import cost
 from launch.plan.simulate import Collective, Job, Route, WanFlow
-from launch.plan.socket_limits import nccl_buffer_memory, nccl_buffsize, nccl_communicators
+from launch.plan.socket_limits import STRIPE_MIN_BYTES, nccl_buffer_memory, nccl_buffsize, nccl_communicators
 from launch.plan.topology import DataCenter, Topology, WanLink
 
 _MODEL_KEYS = {"layers", "hidden", "seq", "micro_batch", "global_batch", "dtype_bytes", "pp", "tp", "dp"}
@@ -112,6 +112,7 @@ class Layout:
     connections: int = 1                # TCP connections per WAN rank pair
     sharing: str = "spatial"            # how replicas share a WAN direction
     atlas_runtime: bool = False         # launched by ATLAS (its NCCL_BUFFSIZE, WAN groups, token rings)
+    schedule: str = "1f1b"              # the engine's order it runs (launch.plan.simulate.SCHEDULES)
 
     @property
     def pp(self) -> int:
@@ -215,9 +216,13 @@ def link_window(w: WanLink, window: float) -> float:
     return w.window or window
 
 
-def build(topo: Topology, model: ModelSpec, lay: Layout, window: float, schedule: str = "1f1b") -> Job:
-    """The simulator's job for a layout (see the module docstring for every cost)."""
+def build(topo: Topology, model: ModelSpec, lay: Layout, window: float, schedule: str | None = None) -> Job:
+    """The simulator's job for a layout (see the module docstring for every cost), run by ``schedule``
+    (default: the layout's own, ``lay.schedule``)."""
     tp, dp, A = lay.tp, lay.dp, model.act_bytes
+    # ATLAS stripes a transfer over its connections only from STRIPE_MIN_BYTES (launch.net.striping): a
+    # smaller one (each TP rank sends A/tp) goes whole over one connection, as the calibration models it
+    conns = lay.connections if A / tp >= STRIPE_MIN_BYTES else 1
     t_f, t_b = [], []
     for s, n in enumerate(lay.stage_layers):
         fs, bs = [], []
@@ -239,12 +244,11 @@ def build(topo: Topology, model: ModelSpec, lay: Layout, window: float, schedule
                 row.append(Route(dc.intra_latency, tp * dc.intra_bandwidth))
             else:
                 w = topo.link(a, b)
-                row.append(Route(w.latency, w.bandwidth, (a, b), tp * lay.connections,
-                                 link_window(w, window) / w.rtt))
+                row.append(Route(w.latency, w.bandwidth, (a, b), tp * conns, link_window(w, window) / w.rtt))
         routes.append(tuple(row))
     colls = tuple(_allreduce(topo, model, lay, s, window) for s in range(lay.pp))
-    return Job(tuple(t_f), tuple(t_b), tuple(routes), A, model.micro_batches(dp), schedule, lay.sharing,
-               colls)
+    return Job(tuple(t_f), tuple(t_b), tuple(routes), A, model.micro_batches(dp), schedule or lay.schedule,
+               lay.sharing, colls)
 
 
 def _allreduce(topo: Topology, model: ModelSpec, lay: Layout, s: int, window: float) -> Collective:

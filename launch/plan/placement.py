@@ -10,8 +10,9 @@ order of the used DCs along the pipeline (link bandwidth and latency decide it w
 in proportion to each stage's GPU speed (``gpu_tflops``) within its memory; the number of TCP
 connections (:func:`fill_connections`) chosen with the layout, the sharing mode as :data:`SHARINGS` says
 (spatial unless asked: temporal sharing is unvalidated). Every candidate is ranked by the discrete-event
-simulator (:mod:`launch.plan.search`: branch and bound on a proven lower bound, so none that could win is
-skipped); the fastest iteration wins, fewer
+simulator running the engine's own call order (:data:`ENGINES`: DeepSpeed's by default, the executor the
+calibration checks against real runs; :mod:`launch.plan.search`: branch and bound on a proven lower
+bound, so none that could win is skipped); the fastest iteration wins, fewer
 GPUs on a tie. That choice is also how ATLAS "picks how many GPUs to use in each DC". Nothing here
 reads this machine's sysctls: a WAN connection's window is the topology's ``window_mb`` or Linux's
 default (launch.plan.socket_limits.DEFAULT_WINDOW); the launcher reports local TCP settings as warnings only.
@@ -116,6 +117,11 @@ def fill_connections(topo: Topology, stage_dc: tuple[str, ...], tp: int, window:
 # opt-ins whose gain is a model's, unvalidated. The connection count needs no opt-in: the matrix measured
 # 8 connections 1.9-2.9x faster than one with 1 MiB transfers on a window-limited link.
 SHARINGS = ("spatial", "temporal", "auto")
+# The engine whose call order the planner ranks ATLAS's layouts by (launch.plan.deepspeed_schedule: the
+# model the calibration matrix checked against real runs): deepspeed-atlas launches DeepSpeed's pipeline
+# engine; "megatron" for a Megatron-LM script (launch.run.runtime.enable_megatron).
+ENGINES = ("deepspeed", "megatron")
+DEFAULT_ENGINE = "deepspeed"
 DEFAULT_SHARING = "spatial"
 UNVALIDATED = "unvalidated: the calibration matrix never measured temporal sharing paying"
 
@@ -156,9 +162,10 @@ def degrees(topo: Topology, model: ModelSpec, tps: list[int] | None = None) -> l
 
 
 def atlas_layouts(topo: Topology, model: ModelSpec, window: float, connections: int | None = None,
-                  split=None):
+                  split=None, engine: str = DEFAULT_ENGINE):
     """ATLAS's candidates: every (pp, tp, dp) the model section allows, every placement, layers in
-    proportion to the stages' GPU speed within their memory, connections chosen per placement.
+    proportion to the stages' GPU speed within their memory, connections chosen per placement, run by
+    ``engine``'s schedule (:data:`ENGINES`).
     ``split(layers, speeds, caps)``: another layer split rule (the decomposition's baseline splits)."""
     split = split or split_layers
     for pp, tp, dp in degrees(topo, model):
@@ -170,41 +177,48 @@ def atlas_layouts(topo: Topology, model: ModelSpec, window: float, connections: 
                 continue
             conns = connections or fill_connections(topo, stage_dc, tp, window)
             yield Layout(tp, tuple((d,) * dp for d in stage_dc), tuple(layers), conns, "spatial",
-                         atlas_runtime=True)
+                         atlas_runtime=True, schedule=engine)
 
 
 def choose(topo: Topology, model: ModelSpec, connections: int | None = None,
-           sharing: str = DEFAULT_SHARING, window: float = DEFAULT_WINDOW) -> Choice:
-    """ATLAS's layout: the simulator's fastest candidate (launch.plan.search), the number of connections
-    chosen with it unless fixed here, the sharing mode as ``sharing`` says (:data:`SHARINGS`)."""
+           sharing: str = DEFAULT_SHARING, window: float = DEFAULT_WINDOW,
+           engine: str = DEFAULT_ENGINE) -> Choice:
+    """ATLAS's layout: the simulator's fastest candidate (launch.plan.search) under ``engine``'s schedule,
+    the number of connections chosen with it unless fixed here, the sharing mode as ``sharing`` says
+    (:data:`SHARINGS`)."""
     sharings = sharing_modes(sharing)
+    values.choice(engine, "engine", ENGINES)
     if connections is not None:
         nccl_split(connections)  # the same limits as the launcher: 1..64 connections
     if model.dp and model.sequences % model.dp:
         raise ValueError(f"model.dp={model.dp}: global_batch/micro_batch = {model.sequences} sequences per "
                          "iteration must divide by dp")
-    found = best(topo, model, atlas_layouts(topo, model, window, connections), window, sharings)
+    found = best(topo, model, atlas_layouts(topo, model, window, connections, engine=engine), window,
+                 sharings)
     if found is None:
         raise ValueError(_infeasible(topo, model))
     return found
 
 
 def make_plan(topo: Topology, model: ModelSpec, connections: int | None = None,
-              sharing: str = DEFAULT_SHARING, window: float | None = None) -> Plan:
+              sharing: str = DEFAULT_SHARING, window: float | None = None,
+              engine: str = DEFAULT_ENGINE) -> Plan:
     """Search (pp, tp, dp), placement and connections; keep the simulator's fastest layout.
 
     ``connections`` fixes that choice (None: the planner picks it); ``sharing`` is one of :data:`SHARINGS`
     (spatial by default; "auto": the simulator picks, unvalidated); ``window`` is one
     TCP connection's window on WAN links without ``window_mb`` (default: Linux's default buffers,
-    launch.plan.socket_limits.DEFAULT_WINDOW) — never this machine's sysctls, which only produce warnings."""
+    launch.plan.socket_limits.DEFAULT_WINDOW) — never this machine's sysctls, which only produce warnings;
+    ``engine`` is the training engine whose schedule the layouts are ranked by (:data:`ENGINES`)."""
     window = DEFAULT_WINDOW if window is None else window
-    return plan_of(topo, model, choose(topo, model, connections, sharing, window), window)
+    return plan_of(topo, model, choose(topo, model, connections, sharing, window, engine), window)
 
 
-def layout_of(plan: Plan) -> Layout:
-    """A plan's layout, as the simulator takes it (launch.plan.estimate.build)."""
+def layout_of(plan: Plan, engine: str = DEFAULT_ENGINE) -> Layout:
+    """A plan's layout, as the simulator takes it (launch.plan.estimate.build), run by ``engine``'s
+    schedule (the one :func:`make_plan` ranked it by; DeepSpeed's by default)."""
     return Layout(plan.tp, tuple((d,) * plan.dp for d in plan.stage_dc), plan.stage_layers, plan.connections,
-                  plan.sharing, atlas_runtime=True)
+                  plan.sharing, atlas_runtime=True, schedule=engine)
 
 
 def plan_of(topo: Topology, model: ModelSpec, found: Choice, window: float) -> Plan:

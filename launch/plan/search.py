@@ -44,7 +44,7 @@ def best(topo: Topology, model: ModelSpec, layouts: Iterable[Layout], window: fl
     for i, lay in enumerate(layouts):
         if fits(topo, model, lay):
             job = build(topo, model, lay, window)
-            pool.append((lower_bound(job), lay.gpus, i, lay, job))
+            pool.append((_bound(job, sharings if lay.crosses_wan else (lay.sharing,)), lay.gpus, i, lay, job))
     pool.sort(key=lambda c: c[:3])
     found: Choice | None = None
     runs = 0
@@ -63,6 +63,12 @@ def best(topo: Topology, model: ModelSpec, layouts: Iterable[Layout], window: fl
     return found
 
 
+def _bound(job: Job, modes: tuple[str, ...]) -> float:
+    """A lower bound under every sharing mode the layout will be simulated in (spatial sharing bounds
+    identical replicas as one: launch.plan.deepspeed_schedule.lockstep)."""
+    return min(lower_bound(replace(job, sharing=m)) for m in modes)
+
+
 def exhaustive(topo: Topology, model: ModelSpec, layouts: Iterable[Layout], window: float,
                sharings: tuple[str, ...] = ("spatial",)) -> list[tuple[float, float, Layout]]:
     """(lower bound, simulated seconds, layout) of every candidate and mode: what tests compare with."""
@@ -71,7 +77,8 @@ def exhaustive(topo: Topology, model: ModelSpec, layouts: Iterable[Layout], wind
         if not fits(topo, model, lay):
             continue
         job = build(topo, model, lay, window)
-        lb = lower_bound(job)
-        for mode in sharings if lay.crosses_wan else (lay.sharing,):
+        modes = sharings if lay.crosses_wan else (lay.sharing,)
+        lb = _bound(job, modes)
+        for mode in modes:
             out.append((lb, simulate(replace(job, sharing=mode)).iteration, replace(lay, sharing=mode)))
     return out

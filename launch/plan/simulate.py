@@ -1,6 +1,9 @@
 """A discrete-event what-if simulator of one pipeline-parallel iteration across data centers.
 
-What it models (atlas.md §1.5–1.6; the choices are ours where the paper's text was not available):
+``schedule="deepspeed"`` / ``"megatron"`` run the engines' own call order instead
+(launch.plan.deepspeed_schedule: what the planner ranks layouts by, checked against real runs); the
+idealised schedules here keep the design note's worked examples. What they model (atlas.md §1.5–1.6;
+the choices are ours where the paper's text was not available):
 
 - D data-parallel replicas of an S-stage pipeline; stage s of replica d (a "row": its tp GPUs run
   in lockstep) runs its schedule (1F1B or GPipe) over M micro-batches: ``F(s, m)`` takes
@@ -38,6 +41,10 @@ from launch.plan.timeline import Op
 
 INF = float("inf")
 _EPS = 1e-12
+# "1f1b"/"gpipe": the idealised schedules below; "deepspeed"/"megatron": the engines' own call order with
+# blocking rendezvous p2p (launch.plan.deepspeed_schedule, the model checked against real runs)
+SCHEDULES = ("1f1b", "gpipe", "deepspeed", "megatron")
+ENGINES = ("deepspeed", "megatron")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +90,8 @@ class Job:
     routes: tuple[tuple[Route, ...], ...]     # [boundary s -> s+1][replica]
     act_bytes: float                          # bytes per micro-batch crossing a boundary
     micro_batches: int
-    schedule: str = "1f1b"                    # "1f1b" | "gpipe" | "deepspeed" (deepspeed_schedule.py)
+    schedule: str = "1f1b"                    # "1f1b" | "gpipe" | "deepspeed" | "megatron" (blocking
+                                              # engines: deepspeed_schedule.py, megatron_schedule.py)
     sharing: str = "temporal"                 # "temporal" | "spatial" (WAN p2p transfers)
     collectives: tuple[Collective, ...] = ()  # per stage (empty: none)
     blocking_sends: bool = True               # a row waits for its send to complete (see module doc)
@@ -106,8 +114,8 @@ class Job:
             raise ValueError(f"Job: every stage and boundary needs one entry per replica ({D})")
         if self.micro_batches < 1 or D < 1:
             raise ValueError(f"Job: micro_batches={self.micro_batches} and replicas={D} must be >= 1")
-        if self.schedule not in ("1f1b", "gpipe", "deepspeed"):
-            raise ValueError(f"Job.schedule={self.schedule!r}: use '1f1b', 'gpipe' or 'deepspeed'")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Job.schedule={self.schedule!r}: use one of {SCHEDULES}")
         if self.sharing not in ("temporal", "spatial"):
             raise ValueError(f"Job.sharing={self.sharing!r}: use 'temporal' or 'spatial'")
         if self.collectives and len(self.collectives) != S:
@@ -203,9 +211,10 @@ def schedule_ops(schedule: str, stage: int, stages: int, micro_batches: int) -> 
 
 def simulate(p: Job | Pipeline) -> Result:
     """Run one iteration: its length, every op and transfer, per-row busy time, WAN bytes.
-    ``schedule="deepspeed"``: DeepSpeed's engine with its blocking p2p (launch.plan.deepspeed_schedule)."""
+    ``schedule="deepspeed"`` / ``"megatron"``: that engine's call order with its blocking p2p
+    (launch.plan.deepspeed_schedule)."""
     job = p.job() if isinstance(p, Pipeline) else p
-    if job.schedule == "deepspeed":
+    if job.schedule in ENGINES:
         from launch.plan import deepspeed_schedule
 
         end, transfers, ops, wan = deepspeed_schedule.run(job)

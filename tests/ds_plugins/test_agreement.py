@@ -4,22 +4,32 @@ every rank instead of hanging, the world stays usable afterwards, and set-up run
 
 from __future__ import annotations
 
+import os
+import sys
+from collections import Counter
+from contextlib import contextmanager
+
 import pytest
 import torch
 import torch.distributed as dist
 
+from commweave.ledger import recording
 from ds_plugins import ParmMoE
+from ds_plugins import dispatch as dispatch_module
+from ds_plugins.schedules import sync_free
 from tests.ds_plugins.deepspeed_oracle import LocalOracle, Weights, load_parm, mlp, tp_rank, use_layout
 from tests.ds_plugins.test_schedules import _run
 
 S, M, H, E = 24, 8, 16, 8
 
 
-def _layer(schedule: str, drop: bool = True, w: Weights | None = None) -> ParmMoE:
-    use_layout(2, 2)
+def _layer(schedule: str, drop: bool = True, w: Weights | None = None, skip: bool = True, tp: int = 2,
+           ep: int = 2) -> ParmMoE:
+    use_layout(tp, ep)
     torch.manual_seed(0)
-    layer = ParmMoE(M, mlp(M, H), num_experts=E, ep_size=2, k=2, capacity_factor=1.0, min_capacity=0,
-                    drop_tokens=drop, enable_expert_tensor_parallelism=True, schedule=schedule)
+    layer = ParmMoE(M, mlp(M, H), num_experts=E, ep_size=ep, k=2, capacity_factor=1.0, min_capacity=0,
+                    drop_tokens=drop, enable_expert_tensor_parallelism=True, schedule=schedule,
+                    skip_empty_slots=skip)
     if w is not None:
         load_parm(layer, w)
     layer.set_deepspeed_parallelism()
@@ -57,9 +67,10 @@ def _divergent_routing(schedule: str) -> str:
 def _token_counts() -> dict:
     torch.manual_seed(1)
     big = 24 if dist.get_rank() // 2 == 0 else 20                   # MP group {0,1} vs {2,3}: EP peers differ
+    # S1 takes the token agreement (ds_plugins.agreement.tokens); the sync-free path: test_a_changed_shape
     errors = {"mp": _error(lambda: _layer("s1")(torch.randn(24 + tp_rank(), M))),
-              "ep drop": _error(lambda: _layer("s2")(torch.randn(big, M)))}
-    layer = _layer("s2")
+              "ep drop": _error(lambda: _layer("s1")(torch.randn(big, M)))}
+    layer = _layer("s1")
     layer.train(dist.get_rank() != 3)
     errors["train/eval"] = _error(lambda: layer(torch.randn(S, M)))
     return errors
@@ -114,3 +125,141 @@ def test_a_second_set_up_fails_clearly_and_never_shards_twice(world):
     for res in world.run(_set_up_twice):
         assert res["error"].startswith("RuntimeError: ParmMoE.set_deepspeed_parallelism() was already called")
         assert res["same shapes"] and res["sharded"] == H // 2
+
+
+# Issue 23, item 4: no host sync on the hot path. A steady-state forward (the third of one shape) is counted:
+# the collectives from the ledger, the host reads by patching every Tensor method that copies a value to
+# the host (item, cpu, tolist, numpy, __int__, __index__, __bool__, __float__), each attributed to the
+# first calling frame outside torch: "parm" (ds_plugins), "deepspeed" (its gating functions) or "other";
+# and the route checks of dispatch / combine (a C++ pass on the CPU, one device-to-host copy each on a GPU).
+
+_READS = ("item", "cpu", "tolist", "numpy", "__int__", "__index__", "__bool__", "__float__")
+
+
+@contextmanager
+def _host_reads():
+    seen: Counter = Counter()
+    saved = {name: getattr(torch.Tensor, name) for name in _READS}
+    checks = dispatch_module._check_route_values
+
+    def wrap(name, fn):
+        def counted(self, *args, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+                frame = frame.f_back
+            path = frame.f_code.co_filename if frame is not None else "?"
+            who = "parm" if f"{os.sep}ds_plugins{os.sep}" in path else \
+                "deepspeed" if f"{os.sep}deepspeed{os.sep}" in path else "other"
+            seen[f"{who} {name} {os.path.basename(path)}:{frame.f_code.co_name if frame else '?'}"] += 1
+            return fn(self, *args, **kwargs)
+        return counted
+
+    def checked(*args, **kwargs):
+        seen["route check"] += 1
+        return checks(*args, **kwargs)
+
+    try:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, wrap(name, fn))
+        dispatch_module._check_route_values = checked
+        yield seen
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+        dispatch_module._check_route_values = checks
+
+
+def _steady_state() -> dict:
+    cases = {"s2": ("s2", True, 2, 2), "deepspeed": ("deepspeed", True, 2, 2), "s1": ("s1", True, 2, 2),
+             "auto": ("auto", True, 2, 2), "s2 all slots": ("s2", False, 2, 2), "s2 tp1": ("s2", True, 1, 4),
+             "deepspeed tp1": ("deepspeed", True, 1, 4)}
+    out = {}
+    for name, (schedule, skip, tp, ep) in cases.items():
+        layer = _layer(schedule, skip=skip, tp=tp, ep=ep)
+        torch.manual_seed(dist.get_rank() // tp)
+        x = torch.randn(S, M, requires_grad=True)
+        for _ in range(2):
+            y, l_aux, _ = layer(x)
+            (y.sum() + l_aux).backward()
+        with recording() as led, _host_reads() as reads:
+            y, l_aux, _ = layer(x)
+        (y.sum() + l_aux).backward()
+        out[name] = {"sync_free": sync_free(layer), "reads": dict(reads),
+                     "calls": {key: v["calls"] for key, v in led.as_dict().items()}}
+    gate = _layer("s2").gate
+    with _host_reads() as reads:
+        gate(torch.randn(S, M))
+    out["deepspeed gate"] = dict(reads)
+    return out
+
+
+SYNC_FREE = {"s2", "deepspeed", "s2 tp1", "deepspeed tp1"}
+EXCHANGES = {"all_to_all@ep", "all_gather@esp", "reduce_scatter@esp", "all_gather@mp", "all_reduce@esp"}
+
+
+@pytest.mark.world_size(4)
+def test_steady_state_forward_issues_no_agreement_and_one_host_read(world):
+    for rank, res in enumerate(world.run(_steady_state)):
+        for name, got in res.items():
+            if name == "deepspeed gate":
+                continue
+            assert got["sync_free"] == (name in SYNC_FREE), (rank, name)
+            agreements = {key: n for key, n in got["calls"].items() if key not in EXCHANGES}
+            if name in SYNC_FREE:
+                # 0 agreement collectives; 1 host read: the fill counts with the headers, which skipping
+                # the empty slots needs anyway; the route checks of dispatch and combine
+                assert agreements == {}, (rank, name, got)
+                assert got["reads"] == {"parm tolist overlap.py:read": 1, "route check": 2}, (rank, name, got)
+            else:
+                # the token agreement; S1's capacity rides on the headers
+                assert agreements == {"all_reduce@mp": 1, "all_reduce@ep": 1}, (rank, name, got)
+                reads = {"parm tolist agreement.py:spread": 1, "route check": 2}
+                if name != "s2 all slots":
+                    reads["parm tolist overlap.py:read"] = 1
+                assert got["reads"] == reads, (rank, name, got)
+
+
+def _changes(schedule: str) -> dict:
+    """A sync-free layer in steady state, then one rank changes its input: each change must raise the same
+    error on every rank (none hangs, no exchange of mismatched sizes), and the layer keeps working."""
+    layer = _layer(schedule)
+    me = dist.get_rank()
+
+    def x(tokens: int = S, hidden: int = M) -> torch.Tensor:     # the same input on the two MP ranks
+        torch.manual_seed(me // 2)
+        return torch.randn(tokens, hidden)
+
+    for _ in range(2):
+        layer(x())
+    errors = {"ep": _error(lambda: layer(x(S - 4 if me // 2 else S))),       # MP group {2, 3}
+              "mp": _error(lambda: layer(x(S + 1 if me == 1 else S))),
+              "refused": _error(lambda: layer(x(hidden=M + (me == 2))))}
+    layer.train(me != 2)
+    errors["train/eval"] = _error(lambda: layer(x()))
+    layer.train()
+    errors["all change"] = _error(lambda: layer(x(S - 8)))                   # every rank: a new shape
+    with torch.no_grad():                                 # the odd MP ranks' gates favour expert 0
+        layer.gate.wg.weight[0].add_(float(me % 2))
+    errors["gate"] = _error(lambda: layer(x()))
+    errors["sync_free"] = sync_free(layer)
+    return errors
+
+
+@pytest.mark.world_size(4)
+def test_a_changed_shape_on_one_rank_raises_the_same_error_on_every_rank(world):
+    for schedule in ("s2", "deepspeed"):
+        per_rank = world.run(_changes, schedule)
+        for rank, res in enumerate(per_rank):
+            assert res["sync_free"], (schedule, rank)
+            assert "drop_tokens=True every rank" in res["ep"] and "between 20 and 24" in res["ep"], res
+            assert "MP) ranks of this layer hold different token counts (between 24 and 25)" in res["mp"], res
+            assert res["refused"].startswith("ValueError: rank 2: ParmMoE.forward: hidden_states has shape "
+                                             "(24, 9)"), res
+            assert "others in eval mode" in res["train/eval"], res
+            assert res["all change"] == "no error", res
+            # the deepspeed order with empty-slot skipping aborted gloo here ("Received data size doesn't
+            # match"): the MP ranks' filled rows differ, so do their expert all-reduces' sizes
+            assert res["gate"].startswith("RuntimeError: parm MoE: routing differs across the "
+                                          "tensor-parallel (MP) ranks of this layer (ranks [0, 1, 2, 3]"), res
+        assert len({str(res) for res in per_rank}) == 1, per_rank
+    assert all(world.run(_healthy))

@@ -17,7 +17,11 @@ LAYOUT = overlap.Layout(ALONE, E, CHUNKS, SLOTS, mp_split=False)
 
 
 def _rows(fills: list[int]) -> overlap.Rows:
-    return overlap.FillExchange(torch.tensor(fills), LAYOUT).rows()
+    head = torch.tensor([7, 1, 0, 0, 0, 6], dtype=torch.int32)
+    exchange = overlap.FillExchange(torch.tensor(fills, dtype=torch.int32), head, ALONE, None)
+    heads, counts = exchange.read()
+    assert heads == [head.tolist()] and counts == [[fills]]   # p = s = 1: its own, header and counts
+    return exchange.rows(counts, LAYOUT)
 
 
 def test_fill_is_one_past_the_last_live_location():

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from commweave import comm
 from commweave.ledger import recording
 from ds_plugins import ParmMoE, routing
+from ds_plugins.agreement import HEADER
 from tests.ds_plugins.deepspeed_oracle import (
     LocalOracle,
     Weights,
@@ -217,7 +218,8 @@ def _formula(schedule: str, tp: int, ep: int, shard: bool, tokens: int, k: int, 
              chunks: int, rows: list[int], c1: int, skip: bool = True) -> dict:
     """Bytes sent per rank in one forward + backward, parm.md §2 (forward) and §2.7 (backward); ``rows``:
     the filled rows of each local expert ("deepspeed" all-reduces them inside the expert); ``c1``: S1's
-    buffer capacity (drop mode: no capacity agreement for S2 and "deepspeed")."""
+    buffer capacity (drop mode: no capacity agreement for S2 and "deepspeed", and where the fill counts
+    carry the header, ds_plugins.schedules.sync_free, no token agreement either)."""
     n, p, s, b = tp, ep, tp if shard else 1, F32
     out: dict[str, int] = {}
 
@@ -229,15 +231,18 @@ def _formula(schedule: str, tp: int, ep: int, shard: bool, tokens: int, k: int, 
         add("all_reduce@mp", 2 * (2 * values * 8) * (n - 1) // n)
         add("all_reduce@ep", 2 * (3 * values * 8) * (p - 1) // p)
 
-    agree(2)                                                          # S and the training flag
+    if not (skip and schedule != "s1" and (n == 1 or shard)):        # drop mode: sync-free otherwise
+        agree(2)                                                      # S and the training flag
 
-    if skip:                                                          # fill counts, E int32, forward
-        add("all_to_all@ep", E * 4 - E * 4 // p)
-        add("all_gather@esp", E * 4 * (s - 1) if schedule != "deepspeed" else 0)
+    if skip:                                                          # fill counts + header, int32, forward
+        words = (E + p * HEADER) * 4
+        add("all_to_all@ep", words - words // p)
+        add("all_gather@esp", words * (s - 1))
     c = _capacity(k, cf, tokens)
     if schedule == "s1":
         mine = math.ceil(tokens / n)
-        agree(1)                                                      # S1's capacity
+        if not (skip and (n == 1 or shard)):                          # else on the headers
+            agree(1)                                                  # S1's capacity
         v1 = E * _pad(c1, min(chunks, c1)) * M * b                    # V₁: the buffer of S/N tokens
         add("all_to_all@ep", 4 * (v1 - v1 // p))                      # A2A fwd x2, bwd x2
         add("all_gather@esp", 2 * v1 * (s - 1))                       # AG fwd, RS's dual bwd

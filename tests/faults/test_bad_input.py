@@ -6,8 +6,9 @@ call, and check on every rank:
 
 - the same exception text on every rank, including where only one rank got the bad value ("rank 2: ...");
 - the only communication before the error is the agreement's (recorded by commweave's ledger, with
-  ``trace_torch_distributed`` catching DeepSpeed's own collectives): no all-to-all, no ring step, no
-  team all-gather, nothing of ``deepspeed.initialize``;
+  ``trace_torch_distributed`` catching DeepSpeed's own collectives): no all-to-all of data (a sync-free
+  Parm forward's agreement is its fill counts' all-to-all, see AGREEMENT), no ring step, no team
+  all-gather, nothing of ``deepspeed.initialize``;
 - afterwards the world still runs a healthy call (no rank is a collective behind).
 
 The local cases (config sections, constructors, dispatch/combine, the Megatron arguments) run in this
@@ -31,6 +32,9 @@ from commweave import comm, ledger
 S, M, H, E = 24, 8, 16, 8
 WORLD = 4
 AGREEMENT = {"all_gather", "all_reduce"}        # the kinds an agreement uses; no data moves before an error
+# A sync-free Parm forward (S2, "deepspeed"; ds_plugins.schedules.sync_free) carries its agreement on the
+# fill counts' all-to-all over EP 2: E int32 counts and 2 headers (ds_plugins.agreement.HEADER words each),
+# W = (E + 2·HEADER)·4 bytes, W/2 sent per rank. It moves no token data, so it counts as the agreement's.
 
 # ---------------------------------------------------------------------------------------------------------
 # Parm on 4 ranks (tp 2 x ep 2, ESP 2): MP groups [0,1] [2,3], EP groups [0,2] [1,3]
@@ -123,7 +127,12 @@ def _outcome(fn) -> tuple[str, str, list[str]]:
             kind, text = "no error", ""
         except Exception as e:
             kind, text = type(e).__name__, str(e)
-    return kind, text, sorted({key.split("@")[0] for key, v in led.as_dict().items() if v["calls"]})
+    from ds_plugins.agreement import HEADER
+
+    traffic, half = led.as_dict(), (E + 2 * HEADER) * 4 // 2
+    header = traffic.get("all_to_all@ep") == {"calls": 1, "sent": half, "received": half}
+    return kind, text, sorted({key.split("@")[0] for key, v in traffic.items()
+                               if v["calls"] and not (header and key == "all_to_all@ep")})
 
 
 def _parm_layer(schedule="s1", **overrides):

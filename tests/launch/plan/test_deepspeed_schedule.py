@@ -1,6 +1,8 @@
 """DeepSpeed's pipeline engine in the simulator: its instruction order against DeepSpeed's own
 TrainSchedule, and blocking rendezvous transfers against a hand-derived timeline."""
 
+from dataclasses import replace
+
 import pytest
 
 from launch.plan.deepspeed_schedule import train_schedule
@@ -78,10 +80,45 @@ def test_window_limited_connections_gain_nothing_from_turns():
     assert temporal >= spatial
 
 
-def test_a_wan_spanning_dp_group_is_refused():
+def test_a_wan_spanning_dp_group_all_reduces_on_the_shared_link():
+    """dp = 2 replicas of a 2-stage pipeline, replica 0 in DC a, replica 1 in b (the pipeline inside its
+    DC: t_f = 1, t_b = 2, transfers 1 s + 0.5), one micro-batch; replica 1's stage 0 backward takes 3.
+    Each stage's gradient ring crosses the WAN both ways (1 byte/s per direction, 0.1 s latency):
+    stage 1 moves 4 bytes per direction, stage 0 2 bytes. Per replica: S0 F 0-1, act 1..2 lands 2.5,
+    S1 F 2.5-3.5, B 3.5-5.5, grad 5.5..6.5 lands 7, S0 B 7-9 (replica 1: 7-10). Stage 1's all-reduce
+    starts at 6.5 (both replicas there) and runs alone until stage 0's starts at 10, when the slower
+    replica arrives (the collective waits for its whole group): stage 1 has 0.5 left, then shares the
+    link at 0.5 bytes/s: done at 11, lands 11.1; stage 0 has moved 0.5 by 11, its last 1.5 at full rate:
+    done 12.5, lands 12.6. The loss reaches stage 0 at 11.1 + 0.5. Iteration 12.6."""
     from launch.plan.simulate import WanFlow
 
-    job = Job(((1.0,),), ((2.0,),), (), 1.0, 1, "deepspeed", "spatial",
-              (Collective(0.0, (WanFlow("a", "b", 1.0, 0.1, 1.0),)),))
-    with pytest.raises(ValueError, match="crosses the WAN"):
-        simulate(job)
+    def ring(nbytes):
+        return Collective(0.25, (WanFlow("a", "b", nbytes, 0.1, 1.0), WanFlow("b", "a", nbytes, 0.1, 1.0)))
+
+    route = Route(0.5, 1.0)
+    job = Job(((1.0, 1.0), (1.0, 1.0)), ((2.0, 3.0), (2.0, 2.0)), ((route, route),), 1.0, 1, "deepspeed",
+              "spatial", (ring(2.0), ring(4.0)))
+    r = simulate(job)
+    assert r.iteration == pytest.approx(12.6)
+    assert r.wan_bytes == pytest.approx(12.0)
+    spans = {(o.stage, o.replica): (o.start, o.end) for o in r.ops if o.kind == "allreduce"}
+    assert spans == {(0, 0): pytest.approx((10.0, 12.6)), (0, 1): pytest.approx((10.0, 12.6)),
+                     (1, 0): pytest.approx((6.5, 11.1)), (1, 1): pytest.approx((6.5, 11.1))}
+
+
+def test_identical_replicas_run_once_on_a_share_of_the_link():
+    """Replicas in lockstep on a spatially shared link are simulated as one on bandwidth/D: the same
+    iteration, ops and WAN bytes as the full simulation."""
+    from launch.plan import deepspeed_schedule
+
+    for schedule in ("deepspeed", "megatron"):
+        job = replace(_job(Route(0.5, 1.0, ("a", "b"), 2, 0.3), replicas=3, micro_batches=3, step=0.25),
+                      schedule=schedule)
+        full = deepspeed_schedule._Engine(job).run()
+        fast = deepspeed_schedule.run(job)
+        assert fast[0] == pytest.approx(full[0]) and fast[3] == pytest.approx(full[3])
+        assert sorted(map(_op_key, fast[2])) == sorted(map(_op_key, full[2]))
+
+
+def _op_key(o):
+    return o.stage, o.replica, o.kind, o.micro_batch, round(o.start, 9), round(o.end, 9)

@@ -13,7 +13,7 @@ def test_the_decomposition_multiplies_to_atlas_over_the_best_baseline():
     atlas = choose(T, MODEL)
     others = gain.compare(T, MODEL, DEFAULT_WINDOW)
     steps = gain.decompose(T, MODEL, atlas, others, DEFAULT_WINDOW)
-    assert len(steps) == 5 and steps[-1].seconds == atlas.result.iteration
+    assert len(steps) == 6 and steps[-1].seconds == atlas.result.iteration
     assert steps[0].seconds == min(c.result.iteration for c in others.values() if c)
     product = 1.0
     for st in steps[1:]:

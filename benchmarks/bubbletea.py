@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -48,6 +49,7 @@ import tempfile
 import time
 
 from commweave.world import World
+from launch.bubbletea.windows import WAITS
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,6 +71,27 @@ def core_shares(cpus: list[int], ranks: int) -> list[list[int]]:
     if k < 1:
         raise ValueError(f"{ranks} ranks cannot each have a core of {len(cpus)} ({cpus})")
     return [cpus[r * k:(r + 1) * k] for r in range(ranks)]
+
+
+class GCPauses:
+    """The cyclic garbage collector's pauses in this process (``gc.callbacks``): seconds in all, full
+    (generation 2) collections, the longest pause."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self.longest, self._t0 = 0.0, 0, 0.0, 0.0
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._t0
+        self.seconds += pause
+        self.full += info["generation"] == 2
+        self.longest = max(self.longest, pause)
+
+    def remove(self) -> None:
+        gc.callbacks.remove(self)
 
 
 class Collect:
@@ -124,6 +147,8 @@ def bench_rank(cfg: dict) -> dict:
         _each_thread(lambda tid: os.setpriority(os.PRIO_PROCESS, tid, cfg["nice"]))
     bt = enable(engine, server, warmup=0, reprofile_every=0, history=cfg["history"])
     step = 0
+    pauses = GCPauses()
+    collected = {a: [0.0, 0, 0.0] for a in ("stock", "on", "profile")}   # GC ms, full GCs, longest ms
 
     def run(arm: str) -> float:
         nonlocal step
@@ -131,15 +156,20 @@ def bench_rank(cfg: dict) -> dict:
         bt.enabled = arm == "on"
         batches = data(engine, step, cfg["batch"], cfg["hidden"])
         dist.barrier()
+        before, full, pauses.longest = pauses.seconds, pauses.full, 0.0
         t0 = time.perf_counter()
         engine.train_batch(batches)
         wall = time.perf_counter() - t0
+        c = collected[arm]
+        c[0], c[1] = c[0] + 1e3 * (pauses.seconds - before), c[1] + pauses.full - full
+        c[2] = max(c[2], 1e3 * pauses.longest)
         engine.__class__ = BubbleTeaPipelineEngine
         step += 1
         return wall
 
     for _ in range(cfg["warmup"]):
         run("profile")
+    collected.update((a, [0.0, 0, 0.0]) for a in collected)        # the cycles' and steady phase's only
     if cfg["windows"] != "measured":
         bt.plan, bt.windows_from = simulated_windows(cfg, bt, engine), cfg["windows"]
     orders = list(itertools.permutations(("stock", "on", "profile")))
@@ -175,12 +205,45 @@ def bench_rank(cfg: dict) -> dict:
         "skipped": server.stats.skipped, "closed": server.stats.closed,
         "counters": {k: v for k, v in server.counters().items() if k != "memory"},
         "memory": server.memory, "starved": bt.starved, "window_report": bt.window_report(),
+        "time": where_time_goes(list(its)[cfg["warmup"]:]), "gc": collected,
     }
+    pauses.remove()
     out["tokens_per_s"] = server.stats.tokens / max(sum(it.wall for it in on), 1e-9)
     bt.undo()
     server.stop()
     wan.undo()
     torch.distributed.barrier()
+    return out
+
+
+def where_time_goes(its: list) -> dict:
+    """Where an iteration's time goes, prefill off against on: per instruction kind the median over
+    iterations of its summed time (ms); how far the on-iterations' chunks ran into training (a chunk
+    still running after the wait it started in had returned: count and ms in all); and the iterations'
+    median wall time (ms, count): off, on with no chunk into training, on with one or more."""
+    kinds = sorted({op.kind for it in its for op in it.ops})
+    out = {"ms": {k: [round(1e3 * _median([sum(op.end - op.start for op in it.ops if op.kind == k)
+                                          for it in its if it.prefill_on == on]), 3) for on in (False, True)]
+                  for k in kinds}}
+    into, into_s, walls = 0, 0.0, {"off": [], "on_clear": [], "on_into": []}
+    off = [it for it in its if not it.prefill_on and len(it.ops) == len(its[0].ops)]
+    usual = [_median([it.ops[i].end - it.ops[i].start for it in off]) for i in range(len(its[0].ops))]
+    slow = []       # the iterations with a chunk into training: instructions 2 ms over their usual time
+    for it in its:
+        waits = [op for op in it.ops if op.kind in WAITS]
+        n = 0
+        for a, b in it.prefill:
+            op = next((w for w in waits if w.start <= a <= w.end), None)
+            if op is not None and b > op.end:
+                n, into_s = n + 1, into_s + (b - op.end)
+        into += n
+        walls["off" if not it.prefill_on else "on_into" if n else "on_clear"].append(it.wall)
+        if n and len(it.ops) == len(usual) and len(slow) < 5:
+            slow.append([(i, op.kind, round(1e3 * (op.end - op.start - usual[i]), 1))
+                         for i, op in enumerate(it.ops) if op.end - op.start - usual[i] > 2e-3])
+    out["into_training"], out["into_training_ms"] = into, round(1e3 * into_s, 2)
+    out["wall_ms"] = {k: [round(1e3 * _median(v), 2), len(v)] for k, v in walls.items()}
+    out["into_slow"] = slow
     return out
 
 
@@ -237,13 +300,15 @@ def atlas_plan(cfg: dict):
 def simulated_windows(cfg: dict, bt, engine) -> list:
     """This rank's windows from ATLAS's simulator: the pipeline as a :class:`launch.plan.simulate.Job`
     whose forward and backward times are the warm-up's (medians, gathered from every rank) and whose
-    boundary is the WAN (latency one way, the link's rate), simulated, its gaps mapped onto the rank's
-    wait instructions (:func:`launch.bubbletea.windows.plan_windows`)."""
+    boundary is the WAN (latency one way, the link's rate), simulated as DeepSpeed's engine runs it
+    (``--plan-schedule deepspeed``, :func:`launch.bubbletea.windows.deepspeed_plan`; ``1f1b``: the
+    idealised schedule, for comparison), its gaps mapped onto the rank's wait instructions
+    (:func:`launch.bubbletea.windows.plan_windows`)."""
     import torch
     import torch.distributed as dist
 
     from commweave import comm
-    from launch.bubbletea.windows import instruction_names, plan_windows
+    from launch.bubbletea.windows import deepspeed_plan, instruction_names, plan_windows
     from launch.plan.simulate import Job, Route, simulate
 
     its = list(bt.iterations)[-cfg["warmup"]:]       # ops are per micro-batch: a median is t_f, t_b
@@ -258,9 +323,10 @@ def simulated_windows(cfg: dict, bt, engine) -> list:
     job = Job(tuple(tuple(float(per[s, d, 0]) for d in range(D)) for s in range(S)),
               tuple(tuple(float(per[s, d, 1]) for d in range(D)) for s in range(S)),
               routes, act_bytes=4.0 * cfg["batch"] * cfg["hidden"], micro_batches=M)
-    result = simulate(job)
+    result = deepspeed_plan(job) if cfg["plan_schedule"] == "deepspeed" else simulate(job)
     return plan_windows(result.ops, result.iteration, (engine.stage_id, engine.grid.get_data_parallel_id()),
-                        instruction_names(M, S, engine.stage_id), lane=dist.get_rank())
+                        instruction_names(M, S, engine.stage_id), lane=dist.get_rank(),
+                        transfers=result.transfers)
 
 
 def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> dict:
@@ -337,6 +403,9 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
                      "plan_vs_measured": w["median_rel_diff"], "plan_s": w["plan_s"],
                      "measured_s": w["measured_s"],
                      "recalibrated": c["recalibrated"], "kv_cap": r["memory"].get("cap"),
+                     "late": c["late"], "late_ms": 1e3 * c["late_s"],
+                     "cost_ratio_median": c["cost_ratio_median"], "cost_ratio_p90": c["cost_ratio_p90"],
+                     "time": r["time"], "gc": r["gc"],
                      "kv_peak": r["memory"].get("kv_peak"),
                      "starved": r["chunks"] == 0 or share < 0.5 * even})
     print()
@@ -351,6 +420,23 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
               f"{100 * x['slowdown']:+.2f}% | {1e3 * x['plan_s']:.1f} / {1e3 * x['measured_s']:.1f} ms, "
               f"{diff} | "
               f"{(x['kv_peak'] or 0) / 2**20:.1f} / {(x['kv_cap'] or 0) / 2**30:.1f} GiB |")
+    print()
+    print("Chunks against their windows and training, per rank: late = ended after its window's planned end; "
+          "into training = still running when the wait it started in returned; measured / predicted cost. "
+          "Then ms per iteration by instruction, prefill off -> on (median).")
+    for x in rows:
+        t = x["time"]
+        ratio = ("-" if x["cost_ratio_median"] is None else
+                 f"{x['cost_ratio_median']:.2f} / {x['cost_ratio_p90']:.2f}")
+        print(f"rank {x['rank']}: late {x['late']} of {x['chunks']} ({x['late_ms']:.1f} ms), into training "
+              f"{t['into_training']} ({t['into_training_ms']:.1f} ms), measured/predicted median / p90 "
+              f"{ratio}; " + ", ".join(f"{k} {a:.1f} -> {b:.1f}" for k, (a, b) in t["ms"].items())
+              + "; iteration ms (count): "
+              + ", ".join(f"{k} {a:.1f} ({n})" for k, (a, n) in t["wall_ms"].items())
+              + "; garbage collector (ms in all, full collections, longest ms): "
+              + ", ".join(f"{arm} {ms:.1f} / {n} / {top:.1f}" for arm, (ms, n, top) in x["gc"].items())
+              + "; iterations with a chunk into training, instructions 2 ms over their usual: "
+              + str(t["into_slow"]))
     for x in rows:
         if x["starved"]:
             print(f"WARNING: rank {x['rank']}'s prefill service is starved: {x['chunks']} chunks, "
@@ -395,6 +481,9 @@ def main(argv: list[str] | None = None) -> None:
                          "--lm-layers, saved to a temporary directory (nothing downloaded)")
     ap.add_argument("--windows", choices=("measured", "plan", "both"), default="measured",
                     help="where the windows come from: measurement, ATLAS's simulated schedule, or both")
+    ap.add_argument("--plan-schedule", choices=("deepspeed", "1f1b"), default="deepspeed",
+                    help="--windows plan|both: simulate ATLAS's job as DeepSpeed's engine runs it (blocking "
+                         "p2p in TrainSchedule's order) or as the idealised 1F1B")
     ap.add_argument("--atlas", action="store_true",
                     help="the 2 ranks in 2 network namespaces joined by launch.net.wanemu (RTT 2 x --wan-ms, "
                          "--rate-mbit), pipeline p2p by ATLAS's multi-TCP temporal sharing (needs root)")

@@ -105,13 +105,16 @@ def free_memory(device: torch.device) -> int:
     raise RuntimeError("/proc/meminfo has no MemAvailable line")
 
 
-def memory_cap(device: torch.device, fraction: float) -> tuple[int, int]:
-    """(free bytes, cap = fraction · free): measured after training's first iterations, when its
-    allocator has reserved what the step needs."""
+def memory_cap(device: torch.device, fraction: float, sharers: int = 1) -> tuple[int, int]:
+    """(free bytes, cap = fraction · free / sharers): measured after training's first iterations, when
+    its allocator has reserved what the step needs; ``sharers``: the ranks whose services draw on the
+    same free memory (a host's local ranks on CPU), each capped at its share."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"memory_fraction={fraction}: must lie in (0, 1]")
+    if isinstance(sharers, bool) or not isinstance(sharers, int) or sharers < 1:
+        raise ValueError(f"sharers={sharers!r}: must be a positive integer (ranks sharing the memory)")
     free = free_memory(device)
-    return free, int(fraction * free)
+    return free, int(fraction * free / sharers)
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:

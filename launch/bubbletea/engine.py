@@ -66,7 +66,15 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from launch.bubbletea.packer import Chunk
 from launch.bubbletea.server import PrefillServer
 from launch.bubbletea.timeline import Op, Window, busy_time
-from launch.bubbletea.windows import SOURCES, WAITS, combine, compare, instruction_names, plan_windows
+from launch.bubbletea.windows import (
+    SOURCES,
+    WAITS,
+    combine,
+    compare,
+    deepspeed_plan,
+    instruction_names,
+    plan_windows,
+)
 
 __all__ = ["WAITS", "BubbleTea", "BubbleTeaPipelineEngine", "Iteration", "enable"]
 
@@ -279,10 +287,12 @@ class BubbleTeaPipelineEngine(PipelineEngine):
 
 def enable(engine: PipelineEngine, server: PrefillServer, plan=None, **options) -> BubbleTea:
     """Switch BubbleTea on for a DeepSpeed pipeline engine; ``options`` go to :class:`BubbleTea`.
-    ``plan``: ATLAS's simulated iteration (:func:`launch.plan.simulate.simulate`'s result: ``ops``,
-    ``iteration``), whose idle gaps on this rank's (stage, replica) become its planned windows (with
-    ``windows_from="plan"`` or ``"both"``). Returns the controller (``.undo()``, ``.enabled``,
-    ``.iterations``, ``.window_report()``)."""
+    ``plan``: ATLAS's job (a :class:`launch.plan.simulate.Job` or ``Pipeline``: simulated here as
+    DeepSpeed's engine runs it, :func:`launch.bubbletea.windows.deepspeed_plan`) or an iteration already
+    simulated (:func:`launch.plan.simulate.simulate`'s result: ``ops``, ``iteration``), whose idle gaps
+    on this rank's (stage, replica) become its planned windows (with ``windows_from="plan"`` or
+    ``"both"``). Returns the controller (``.undo()``, ``.enabled``, ``.iterations``,
+    ``.window_report()``)."""
     source = options.get("windows_from", "measured")
     if source not in SOURCES or (source != "measured" and plan is None):
         raise ValueError(f"bubbletea.enable: windows_from={source!r} must be one of {', '.join(SOURCES)}"
@@ -296,9 +306,11 @@ def enable(engine: PipelineEngine, server: PrefillServer, plan=None, **options) 
         raise TypeError(f"bubbletea.enable: engine must be a deepspeed PipelineEngine (what "
                         f"deepspeed.initialize returns for a PipelineModule), got {type(engine).__name__}")
     if plan is not None:
+        plan = plan if hasattr(plan, "ops") else deepspeed_plan(plan)
         names = instruction_names(engine.micro_batches, engine.num_stages, engine.stage_id)
         row = (engine.stage_id, engine.grid.get_data_parallel_id())
-        options["plan"] = plan_windows(plan.ops, plan.iteration, row, names, lane=engine.global_rank)
+        options["plan"] = plan_windows(plan.ops, plan.iteration, row, names, lane=engine.global_rank,
+                                       transfers=getattr(plan, "transfers", ()))
     bt = BubbleTea(engine, server, **options)
     engine._bubbletea = bt
     engine.__class__ = BubbleTeaPipelineEngine

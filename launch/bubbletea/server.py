@@ -82,7 +82,16 @@ class Stats:
     closed: int = 0              # ... or the transfer had returned (the window closed) before their turn
     queue_peak: int = 0
     recalibrated: int = 0
+    late: int = 0                # chunks that ended after the end of the window they were started in
+    late_s: float = 0.0          # ... by this much in all
     ttft: list = field(default_factory=list)
+    # (measured, predicted) seconds of the most recent chunks: how well the cost model predicts
+    timings: deque = field(default_factory=lambda: deque(maxlen=10_000))
+
+
+def _median_p90(xs: list) -> tuple:
+    """Median and 90th percentile of sorted ``xs`` (None, None when empty)."""
+    return (xs[len(xs) // 2], xs[int(0.9 * (len(xs) - 1))]) if xs else (None, None)
 
 
 def shared_cores_warning(service_cpus: int, machine_cpus: int, local_ranks: int) -> str | None:
@@ -142,8 +151,9 @@ class PrefillServer:
                                  f"{sorted(allowed)}")
             cpus = sorted(set(given))
         local = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1"   # launchers' count
+        self.local_ranks = max(1, int(local)) if local.isdigit() else 1
         warning = runner == "process" and shared_cores_warning(len(cpus or allowed), os.cpu_count() or 1,
-                                                               int(local) if local.isdigit() else 1)
+                                                               self.local_ranks)
         if warning:
             warnings.warn(warning, stacklevel=2)
         self.config, self.runner, self.memory_fraction = spec, runner, memory_fraction
@@ -295,12 +305,15 @@ class PrefillServer:
         self.raise_error()
 
     def measure_memory(self) -> dict:
-        """Cap the KV caches at ``memory_fraction`` of the device memory free now (call it after training's
-        first iterations: :class:`launch.bubbletea.engine.BubbleTea` does, once its warm-up is over).
-        Returns and keeps ``memory``: free, cap, weights, kv, kv_peak (bytes)."""
+        """Cap the KV caches at ``memory_fraction`` of the device memory free now, on CPU divided among the
+        host's local ranks (``LOCAL_SIZE`` or ``LOCAL_WORLD_SIZE``). Call it after training's first
+        iterations (:class:`launch.bubbletea.engine.BubbleTea` does, once its warm-up is over). Returns
+        and keeps ``memory``: free, cap, weights, kv, kv_peak (bytes)."""
         if self.memory_fraction is None:
             return self.memory
-        free, cap = memory_cap(self.device, self.memory_fraction)
+        # on CPU the host's local ranks share one free memory: each takes its share of the fraction
+        free, cap = memory_cap(self.device, self.memory_fraction,
+                               self.local_ranks if self.device.type == "cpu" else 1)
         self.memory = {**self.memory, "free": free, "cap": cap}
         with self._lock:
             self._post("cap", cap)
@@ -315,11 +328,14 @@ class PrefillServer:
     def counters(self) -> dict:
         """This rank's service in numbers: chunks, tokens, prompts done, queue depth, TTFT, memory."""
         st = self.stats
-        ttft = sorted(st.ttft)
-        return {"chunks": st.chunks, "tokens": st.tokens, "prompts": len(ttft), "queue": len(self._pending),
+        ttft = _median_p90(sorted(st.ttft))
+        ratio = _median_p90(sorted(m / p for m, p in list(st.timings) if p > 0))
+        return {"chunks": st.chunks, "tokens": st.tokens, "prompts": len(st.ttft),
+                "queue": len(self._pending),
                 "queue_peak": st.queue_peak, "busy_s": st.busy, "skipped": st.skipped, "closed": st.closed,
-                "ttft_median_s": ttft[len(ttft) // 2] if ttft else None,
-                "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))] if ttft else None,
+                "late": st.late, "late_s": st.late_s,
+                "ttft_median_s": ttft[0], "ttft_p90_s": ttft[1],
+                "cost_ratio_median": ratio[0], "cost_ratio_p90": ratio[1],
                 "recalibrated": st.recalibrated, "memory": dict(self.memory)}
 
     def stop(self) -> None:
@@ -351,8 +367,11 @@ class PrefillServer:
         """One message from the service (the collector thread, or the stream runner's thread)."""
         st = self.stats
         if kind == "chunk":
-            t0, t1, tokens, self._ratio = msg
+            t0, t1, tokens, self._ratio, predicted, deadline = msg
             st.chunks, st.tokens, st.busy = st.chunks + 1, st.tokens + tokens, st.busy + (t1 - t0)
+            st.timings.append((t1 - t0, predicted))
+            if deadline and t1 > deadline:
+                st.late, st.late_s = st.late + 1, st.late_s + (t1 - deadline)
             self._spans.append((t0, t1))
         elif kind == "skipped":
             if msg[1] == "closed":
@@ -370,6 +389,10 @@ class PrefillServer:
                 self.callback(result)
             except BaseException as e:          # surfaced to the training thread by raise_error
                 self.error = f"the callback raised {e!r}"
+        elif kind == "arrived":                 # pipelined: queued here by the previous stage, not submit
+            with self._lock:
+                self._pending.add(msg[0])
+                st.queue_peak = max(st.queue_peak, len(self._pending))
         elif kind == "memory":
             self.memory = {**self.memory, **msg[0]}
         elif kind == "fit":

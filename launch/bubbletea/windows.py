@@ -5,13 +5,21 @@ the iteration, :mod:`.engine`) with a start and a length. Two sources give them:
 
 - **measurement** (:meth:`launch.bubbletea.engine.BubbleTea.measured_windows`): the instruction's time
   over the recent prefill-off iterations (median start, lower-quartile length);
-- **the plan**: the iteration ATLAS simulated for its placement (:func:`launch.plan.simulate.simulate`,
-  its ``Result.ops``: every forward and backward of every (stage, replica) row). :func:`plan_windows`
-  maps the row's idle gaps onto the rank's instructions: DeepSpeed's ``TrainSchedule`` and the
-  simulator's 1F1B run the same order of forwards and backwards on a stage (checked: a different order
+- **the plan**: ATLAS's job (:class:`launch.plan.simulate.Job`: its stages' compute times, routes,
+  micro-batches) simulated as DeepSpeed's engine runs it (:func:`deepspeed_plan`: ``schedule=
+  "deepspeed"``, :mod:`launch.plan.deepspeed_schedule`), its ``Result.ops`` (every forward and backward
+  of every (stage, replica) row). :func:`plan_windows` maps the row's idle gaps onto the rank's
+  instructions: the executor runs DeepSpeed's ``TrainSchedule`` (checked: a plan of another order
   raises), so the k-th gap of the row (before its k-th compute op; the last one after its last) is the
   wait between the (k−1)-th and k-th ForwardPass/BackwardPass instructions. Of the waits there, the
   window goes to the receive (what a stage waits in before it can compute), else the last one.
+
+  Why DeepSpeed's executor and not the idealised 1F1B the planner ranks placements with: DeepSpeed's
+  p2p is blocking and its instruction order sends micro-batch m's activation only after receiving
+  micro-batch m − 1's gradient, so with 2 stages stage 0 waits a WAN round trip plus stage 1's forward
+  and backward for every micro-batch. The 1F1B simulation overlaps those transfers with stage 0's own
+  forwards and gave stage 0 half the bubble it has (benchmarks.bubbletea, 10 ms one way, 4 micro-
+  batches: 1F1B 45.7 ms of windows on stage 0 against 84-92 ms measured; the executor 86.2 ms).
 
 ``both``: the plan's windows until the rank has measured, then the measurement's, and for a wait the
 measurement has not seen (below its floor, say) the plan's length times the rank's median ratio of
@@ -41,10 +49,27 @@ def instruction_names(micro_batches: int, stages: int, stage: int) -> list[str]:
     return [*names, "AggregateLoss"]
 
 
+def deepspeed_plan(job):
+    """ATLAS's ``job`` (a :class:`launch.plan.simulate.Job`, or a ``Pipeline``) as DeepSpeed's engine runs
+    it: :func:`launch.plan.simulate.simulate` with ``schedule="deepspeed"`` (module docstring); the
+    result's ``ops`` and ``iteration`` are what :func:`plan_windows` reads."""
+    import dataclasses
+
+    from launch.plan.simulate import Pipeline, simulate
+
+    job = job.job() if isinstance(job, Pipeline) else job
+    return simulate(dataclasses.replace(job, schedule="deepspeed"))
+
+
 def plan_windows(ops: Sequence, iteration: float, row: tuple[int, int], names: Sequence[str],
-                 lane=None) -> list[Window]:
+                 lane=None, transfers: Sequence = ()) -> list[Window]:
     """The row's idle gaps in the plan's iteration (``ops``: :class:`launch.plan.timeline.Op`) as windows
-    on the rank's wait instructions ``names`` (module docstring). Plan seconds, from the iteration start."""
+    on the rank's wait instructions ``names`` (module docstring). Plan seconds, from the iteration start.
+    With the plan's ``transfers`` (:class:`launch.plan.simulate.Transfer`), a window on a receive is the
+    receive alone: from the end of the sends before it in the gap to the data's arrival (a gap also
+    holds the blocking sends around the receive: stage 0's SendActivation after its RecvGrad, stage 1's
+    SendGrad before its RecvActivation; the engine opens the window when the receive starts, so a gap's
+    whole length would put the deadline past the receive's end by the sends' time)."""
     compute = sorted((op for op in ops if (op.stage, op.replica) == tuple(row) and op.kind in
                       ("forward", "backward")), key=lambda op: op.start)
     positions = [i for i, n in enumerate(names) if n in COMPUTE]
@@ -52,6 +77,7 @@ def plan_windows(ops: Sequence, iteration: float, row: tuple[int, int], names: S
     if planned != ran:
         raise ValueError(f"plan_windows: row {tuple(row)}'s plan runs {_short(planned)} but the rank's "
                          f"schedule runs {_short(ran)}: not the same pipeline schedule")
+    moved = _transfer_times(transfers, row, names)
     out = []
     bounds = [-1, *positions, len(names)]
     edges = [0.0] + [op.end for op in compute]
@@ -61,11 +87,36 @@ def plan_windows(ops: Sequence, iteration: float, row: tuple[int, int], names: S
             continue
         start = edges[k]
         end = compute[k].start if k < len(compute) else _tail_end(ops, row, iteration, start)
-        if end <= start:
-            continue
         receives = [i for i in waits if names[i].startswith("Recv")]
         tag = receives[-1] if receives else waits[-1]
+        if tag in moved:                # the receive alone: after the sends before it, to its data's arrival
+            start = max([start, *(moved[i] for i in waits if i < tag and i in moved)])
+            end = min(end, moved[tag])
+        if end <= start:
+            continue
         out.append(Window(lane, start, end, tag))
+    return out
+
+
+def _transfer_times(transfers: Sequence, row: tuple[int, int], names: Sequence[str]) -> dict[int, float]:
+    """Instruction index -> when it returns, for the row's p2p instructions the plan's ``transfers``
+    carry: a send when its last byte left (``done``), a receive when the data arrived. The k-th
+    instruction of a kind moves micro-batch k (DeepSpeed sends and receives in micro-batch order)."""
+    stage, d = row
+    by_key = {(t.edge, t.fwd, t.m, t.d): t for t in transfers}
+    # instruction -> (boundary, forward, is a receive)
+    kinds = {"SendActivation": (stage, True, False), "RecvActivation": (stage - 1, True, True),
+             "SendGrad": (stage - 1, False, False), "RecvGrad": (stage, False, True)}
+    seen: dict[str, int] = {}
+    out = {}
+    for i, name in enumerate(names):
+        if name not in kinds:
+            continue
+        m = seen[name] = seen.get(name, -1) + 1
+        edge, fwd, receive = kinds[name]
+        t = by_key.get((edge, fwd, m, d))
+        if t is not None:
+            out[i] = t.arrives if receive else t.done
     return out
 
 

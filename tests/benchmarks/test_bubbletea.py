@@ -15,7 +15,12 @@ def _rank(rank, stock, on, profile, ttft):
             "train_busy_on": 4.0, "prefill_busy_on": 3.0, "wall_on": 10.0, "windows": [(5, 20.0)],
             "ttft": ttft, "prefilled": len(ttft), "chunks": 8, "skipped": 1, "closed": 0,
             "tokens_per_s": 100.0, "steady_iterations": 12, "tokens": 800 * (rank + 1),
-            "counters": {"queue": 2, "queue_peak": 3, "recalibrated": 0},
+            "counters": {"queue": 2, "queue_peak": 3, "recalibrated": 0, "late": 1, "late_s": 0.002,
+                         "cost_ratio_median": 0.9, "cost_ratio_p90": 1.2},
+            "time": {"ms": {"ForwardPass": [5.0, 5.5]}, "into_training": 1, "into_training_ms": 1.5,
+                     "wall_ms": {"off": [100.0, 3], "on_clear": [101.0, 2], "on_into": [104.0, 1]},
+                     "into_slow": []},
+            "gc": {"stock": [1.0, 0, 0.5], "on": [2.0, 0, 0.6], "profile": [1.0, 0, 0.5]},
             "memory": {"cap": 2**30, "kv_peak": 2**20},
             "window_report": {"median_rel_diff": 0.1, "plan_s": 0.02, "measured_s": 0.022}}
 
@@ -80,3 +85,22 @@ def test_a_hugging_face_model_is_the_spec_every_rank_prefills(tmp_path):
         bench.main(["--hf-tiny", "gpt2", "--hf", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"--hf: path=.*not a directory with a config\.json"):
         bench.main(["--hf", str(tmp_path)])
+
+
+def test_where_the_time_goes_per_instruction_and_into_training():
+    from launch.bubbletea.engine import Iteration
+    from launch.bubbletea.timeline import Op
+
+    def it(on, recv_end, prefill):
+        ops = [Op(0, "ForwardPass", 0.0, 0.002), Op(0, "RecvGrad", 0.002, recv_end),
+               Op(0, "BackwardPass", recv_end, recv_end + 0.003)]
+        return Iteration(recv_end + 0.003, ops, prefill, on)
+
+    its = [it(False, 0.020, []), it(True, 0.030, [(0.003, 0.010), (0.011, 0.034)]),   # the 2nd ran 4 ms on
+           it(True, 0.024, [(0.003, 0.020)])]
+    got = bench.where_time_goes(its)
+    assert got["ms"]["RecvGrad"] == pytest.approx([18.0, 25.0])      # off; median of on (28, 22)
+    assert got["ms"]["BackwardPass"] == pytest.approx([3.0, 3.0])
+    assert (got["into_training"], got["into_training_ms"]) == (1, pytest.approx(4.0))
+    assert got["wall_ms"] == {"off": [23.0, 1], "on_clear": [27.0, 1], "on_into": [33.0, 1]}
+    assert got["into_slow"] == [[(1, "RecvGrad", 10.0)]]

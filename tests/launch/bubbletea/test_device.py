@@ -66,6 +66,11 @@ def test_the_memory_cap_admits_caches_in_order():
     try:
         measured = server.measure_memory()
         assert 0 < measured["cap"] <= measured["free"] // 2 + 1 and measured["weights"] > 0
+        server.local_ranks = 4                       # a host's 4 ranks share its memory: an eighth each
+        measured = server.measure_memory()
+        assert 0 < measured["cap"] <= measured["free"] // 8 + 1
+        with pytest.raises(ValueError, match="sharers=0: must be a positive integer"):
+            dev.memory_cap(torch.device("cpu"), 0.5, 0)
         server._post("cap", 40 * CACHE_BYTES_PER_TOKEN)      # room for one 40-token cache at a time
         server.sync()
         for i, n in enumerate((40, 30, 10)):
@@ -113,6 +118,36 @@ class _DoubledModel:
 
     def prefill_chunk(self, tokens, cache):
         return 2 * self.lm.prefill_chunk(tokens, cache.inner)
+
+
+class _Slow(_Doubled):
+    """A model whose chunks take 30 ms whatever the cost model says."""
+
+    def build(self, device):
+        return _SlowModel(CFG.build(device))
+
+
+class _SlowModel(_DoubledModel):
+    def prefill_chunk(self, tokens, cache):
+        time.sleep(0.03)
+        return super().prefill_chunk(tokens, cache)
+
+
+def test_a_chunk_that_outlasts_its_window_is_counted_late():
+    """Predicted 1 ms, it runs 30 ms in a 20 ms window: one late chunk, ~10 ms past the window's end,
+    measured / predicted ~30; the chunk after it, predicted from the corrected ratio, is not started."""
+    server = PrefillServer(_Slow(), chunk_tokens=8, callback=lambda r: None, guard=0.0, cost=(1e-3, 0.0, 0.0),
+                           runner="stream", memory_fraction=None)
+    try:
+        server.submit("x", _prompt(16, 1))
+        server.plan([Window(None, 0.0, 60.0, tag=0)])
+        server.open(0, time.perf_counter() + 0.02)
+        server.sync()
+    finally:
+        server.stop()
+    c = server.counters()
+    assert (c["chunks"], c["late"], c["skipped"]) == (1, 1, 1)
+    assert 0.009 < c["late_s"] < 1.0 and c["cost_ratio_median"] == c["cost_ratio_p90"] > 25
 
 
 @pytest.mark.parametrize("runner", ["stream", "process"])

@@ -75,6 +75,16 @@ def test_chunked_prefill_continues_like_generate_from_scratch(saved, family):
     for chunk in (1, 5, 23):                               # 5 does not divide 23 (nor the service's 7)
         cache, logits = model.prefill(prompt, chunk)
         assert cache.length == 23 and cache.k.shape == (cfg.layers, cfg.heads, 23, cfg.hidden // cfg.heads)
+        # written in place into the KVCache: bit for bit what the library's own DynamicCache holds after
+        # the same chunks
+        with torch.inference_mode():
+            own = transformers.DynamicCache()
+            for lo in range(0, 23, chunk):
+                out = decoder(input_ids=prompt[None, lo:lo + chunk], use_cache=True,
+                              **{cache_argument(decoder): own})
+        assert torch.equal(logits, out.logits[0, -1])
+        assert all(torch.equal(cache.k[i], layer.keys[0]) and torch.equal(cache.v[i], layer.values[0])
+                   for i, layer in enumerate(own.layers))
         for i, layer in enumerate(full.layers):            # float32 rounding only (module docstring)
             torch.testing.assert_close(cache.k[i], layer.keys[0])
             torch.testing.assert_close(cache.v[i], layer.values[0])
@@ -124,6 +134,11 @@ def test_bad_models_and_settings_are_refused(saved, tmp_path):
         HFConfig.load(where, dtype="int8")
     with pytest.raises(ValueError, match=r"max_seq=65: must be an integer in 1\.\.64"):
         HFConfig.load(where, max_seq=65)
+    transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=64, sliding_window=8)).save_pretrained(tmp_path / "mistral")
+    with pytest.raises(ValueError, match="layer 0's cache is a DynamicSlidingWindowLayer, not a full"):
+        HFModel(HFConfig.load(tmp_path / "mistral"))
     transformers.T5Config().save_pretrained(tmp_path / "t5")
     with pytest.raises(ValueError, match="model_type 't5' is not a causal LM"):
         HFConfig.load(tmp_path / "t5")

@@ -81,6 +81,8 @@ def test_linked_services_prefill_window_by_window():
     assert torch.equal(first.cache.k, cache.k[:2]) and torch.equal(last.cache.k, cache.k[2:])
     assert torch.equal(last.logits, logits) and last.first_token == int(logits.argmax())
     assert servers[0].stats.chunks == servers[1].stats.chunks == 3
+    # stage 1's queue counted the request its rows brought, until its part was done
+    assert [(s.counters()["queue"], s.counters()["queue_peak"]) for s in servers] == [(0, 1), (0, 1)]
 
 
 HIDDEN, LAYERS, MICRO, BATCH, STEPS, WAN_S = 32, 2, 4, 4, 6, 0.01

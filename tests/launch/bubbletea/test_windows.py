@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from launch.bubbletea.timeline import Window
-from launch.bubbletea.windows import WAITS, combine, compare, instruction_names, plan_windows
+from launch.bubbletea.windows import WAITS, combine, compare, deepspeed_plan, instruction_names, plan_windows
 from launch.plan.simulate import Link, Pipeline, simulate
 from launch.plan.timeline import idle_windows
 
@@ -33,6 +33,32 @@ def test_the_plans_gaps_become_the_wait_instructions_windows(stage):
     assert [names[w.tag] for w in got] == expected
     if stage == 1:           # the last stage first waits for stage 0's forward and the WAN
         assert got[0].start == 0.0 and got[0].length == pytest.approx(1.0 + 0.5 + 1.0)   # F + latency + bytes
+
+
+def test_deepspeeds_executor_gives_each_receive_its_round_trip():
+    """DeepSpeed's order (deepspeed_schedule.py): stage 0 sends micro-batch m's activation only after it
+    received m − 1's gradient, so each RecvGrad waits the whole round trip: send 1 s of bytes, 0.5 s
+    latency, stage 1's F (1) and B (2), the gradient's 1 s + 0.5 s back. By hand (t: seconds): F(0) 0-1,
+    SendActivation(0) 1-2, F(1) 2-3, RecvGrad(0) 3-7 (stage 1: act at 2.5, F, B till 5.5, grad 5.5-6.5,
+    here at 7), SendActivation(1) 7-8, B(0) 8-10, F(2) 10-11, RecvGrad(1) 11-13, ..., RecvGrad(3) 22-25,
+    B(3) 25-27. With the transfers, a window is the receive alone (not the send after it in the gap)."""
+    result = deepspeed_plan(Pipeline(t_f=[1, 1], t_b=[2, 2], links=[WAN], act_bytes=1.0, micro_batches=4))
+    assert result.iteration == pytest.approx(27.0)
+    names = instruction_names(4, 2, 0)
+    got = plan_windows(result.ops, result.iteration, (0, 0), names, transfers=result.transfers)
+    assert [(names[w.tag], w.start, w.end) for w in got] == [
+        ("SendActivation", 1.0, 2.0), ("RecvGrad", 3.0, 7.0), ("RecvGrad", 11.0, 13.0),
+        ("RecvGrad", 17.0, 19.0), ("RecvGrad", 22.0, 25.0)]
+    whole = plan_windows(result.ops, result.iteration, (0, 0), names)     # the gaps: receive + send
+    assert [(w.start, w.end) for w in whole][1:3] == [(3.0, 8.0), (11.0, 14.0)]
+    names = instruction_names(4, 2, 1)           # stage 1: SendGrad(m - 1), then RecvActivation(m)
+    got = plan_windows(result.ops, result.iteration, (1, 0), names, transfers=result.transfers)
+    assert [(names[w.tag], w.start, w.end) for w in got][:3] == [
+        ("RecvActivation", 0.0, 2.5), ("RecvActivation", 6.5, 8.5), ("RecvActivation", 12.5, 14.5)]
+    # the idealised 1F1B overlaps the round trips with stage 0's forwards: 9 s of windows, not 12
+    ideal = _plan()
+    assert sum(w.length for w in plan_windows(ideal.ops, ideal.iteration, (0, 0), instruction_names(4, 2, 0))
+               ) == pytest.approx(9.0)
 
 
 def test_a_plan_of_another_schedule_is_refused():

@@ -48,6 +48,8 @@ import torch.distributed as dist
 
 from benchmarks import moe_layer, moe_sweep_stability, rounds
 from benchmarks.moe_layer import Config
+from benchmarks.moe_sweep_stability import SCHEDULES, TIE
+from benchmarks.moe_sweep_stability import paired as _paired
 from commweave import comm, ledger
 from commweave.world import World
 from ds_plugins import cost_model, selector
@@ -56,9 +58,6 @@ EXPERTS, KS, CAPACITY = (4, 8, 16), (1, 2, 4), (1.0, 1.25, 2.0)
 LAYOUTS = ((2, 2), (1, 4), (4, 1))
 SIZES = ((256, 512), (512, 1024))
 TOKENS = (256, 1024)
-TIE = 0.05
-"""auto's pick counts as right when it is at most this much slower than the fastest Parm schedule."""
-SCHEDULES = ("deepspeed", "s1", "s2")
 ROUNDS = 7
 """Timed rounds per cell. At loads of 8-24 on 2 cores one round of a row varies by +-30% (issue 23), and a
 pick is judged by the median of its paired ratios to the fastest: 5 rounds left that median to two or
@@ -129,10 +128,6 @@ def _rank_cell(cfg: Config, iters: int, warmup: int, cost_cache: str | None = No
                     "predicted_ms": moe_layer._predicted(cfg) if row == "parm auto" else {}}
     out["parm auto"]["fitted"] = {key: selector._to_tensor(c).tolist() for key, c in selector._fitted.items()}
     return out
-
-
-def _paired(base: list[float], times: list[float]) -> float:
-    return statistics.median(b / t for b, t in zip(base, times, strict=True))
 
 
 def summarize(cfg: Config, res: dict) -> dict:

@@ -18,6 +18,16 @@ import statistics
 
 from ds_plugins import cost_model
 
+TIE = 0.05
+"""auto's pick counts as right when it is at most this much slower than the fastest Parm schedule."""
+SCHEDULES = ("deepspeed", "s1", "s2")
+"""The Parm schedules a sweep times and auto chooses among (with MP; without, S1 = S2)."""
+
+
+def paired(base: list[float], times: list[float]) -> float:
+    """The paired ratio of two rows timed in the same rounds: the median over rounds of base / times."""
+    return statistics.median(b / t for b, t in zip(base, times, strict=True))
+
 
 def _cells(path: str) -> tuple[dict, list[dict]]:
     """(the run's summary or {}, its cells as {"key", "pick", "predicted_ms", "fitted"})."""
@@ -92,7 +102,7 @@ def rescore(fits: str, measured: str) -> dict:
     regret against its fastest schedule, a hit within ``TIE``): costs from one run, times from another."""
     import torch
 
-    from benchmarks import moe_layer, moe_sweep
+    from benchmarks import moe_layer
     from ds_plugins import selector
 
     fitted = _fitted(_cells(fits)[1])
@@ -105,13 +115,13 @@ def rescore(fits: str, measured: str) -> dict:
     for c in cells:
         cfg = moe_layer.Config(**c["config"])
         costs = selector._from_tensor(torch.tensor(fitted[layout[(cfg.tp, cfg.ep)]], dtype=torch.float64))
-        options = moe_sweep.SCHEDULES if cfg.tp > 1 else ("deepspeed", "s2")
+        options = SCHEDULES if cfg.tp > 1 else ("deepspeed", "s2")
         t = {s: cost_model.predict(s, moe_layer._layer_shape(cfg), costs).total for s in options}
         pick, best, raw = min(t, key=t.get), c["best"], c["raw"]
         ms = {s: raw.get(f"parm {s}", raw["parm s2"]) for s in options}
-        regrets.append(moe_sweep._paired(ms[pick], ms[best]) - 1 if pick != best else 0.0)
-    hits = sum(r <= moe_sweep.TIE for r in regrets)
-    print(f"costs of {fits} on the times of {measured}: within {moe_sweep.TIE:.0%} in {hits}/{len(cells)}, "
+        regrets.append(paired(ms[pick], ms[best]) - 1 if pick != best else 0.0)
+    hits = sum(r <= TIE for r in regrets)
+    print(f"costs of {fits} on the times of {measured}: within {TIE:.0%} in {hits}/{len(cells)}, "
           f"within 10% in {sum(r <= 0.10 for r in regrets)}, regret mean {statistics.mean(regrets):.1%}, "
           f"worst {max(regrets):.1%}")
     return {"hits": hits, "cells": len(cells), "mean_regret": statistics.mean(regrets)}

@@ -40,7 +40,7 @@ import heapq
 from dataclasses import replace
 from itertools import count
 
-from launch.plan.fluid import Flow, WanDirection
+from launch.plan.fluid import Flow, WanDirection, link_for
 from launch.plan.timeline import Op
 
 INF = float("inf")
@@ -229,15 +229,7 @@ class _Engine:
             self._wake(s, d, end)
 
     def _link(self, src: str, dst: str, bandwidth: float, stream_cap: float, t: float) -> WanDirection:
-        link = self.links.get((src, dst))
-        if link is None:
-            link = self.links[(src, dst)] = WanDirection(bandwidth, stream_cap)
-            link.t = t
-        elif (link.bandwidth, link.stream_cap) != (bandwidth, stream_cap):
-            raise ValueError(f"simulate: WAN {src}->{dst} given (bandwidth, stream_cap) "
-                             f"{(link.bandwidth, link.stream_cap)} and {(bandwidth, stream_cap)}: one path, "
-                             "one bandwidth and one window")
-        return link
+        return link_for(self.links, src, dst, bandwidth, stream_cap, t)
 
     def _post(self, channel: tuple, side: str, t: float) -> None:
         """One side of a transfer entered its blocking call; the transfer starts when both have."""

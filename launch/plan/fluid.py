@@ -43,6 +43,20 @@ class Flow:
         return None if self.done is None else self.done + self.latency
 
 
+def link_for(links: dict, src: str, dst: str, bandwidth: float, stream_cap: float, t: float) -> WanDirection:
+    """The direction src -> dst of ``links`` (made at ``t`` on first use); one path has one bandwidth and
+    one window, so a second caller naming other ones is an error."""
+    link = links.get((src, dst))
+    if link is None:
+        link = links[(src, dst)] = WanDirection(bandwidth, stream_cap)
+        link.t = t
+    elif (link.bandwidth, link.stream_cap) != (bandwidth, stream_cap):
+        raise ValueError(f"simulate: WAN {src}->{dst} given (bandwidth, stream_cap) "
+                         f"{(link.bandwidth, link.stream_cap)} and {(bandwidth, stream_cap)}: one path, "
+                         "one bandwidth and one window")
+    return link
+
+
 class WanDirection:
     """``bandwidth`` bytes/s from one data center to another; one connection reaches ``stream_cap``."""
 

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
-from launch.plan.fluid import Flow, WanDirection
+from launch.plan.fluid import Flow, WanDirection, link_for
 from launch.plan.timeline import Op
 
 INF = float("inf")
@@ -320,15 +320,7 @@ class _Run:
                 self._collective_start(s, t)
 
     def _link(self, src: str, dst: str, bandwidth: float, stream_cap: float, t: float) -> WanDirection:
-        link = self.links.get((src, dst))
-        if link is None:
-            link = self.links[(src, dst)] = WanDirection(bandwidth, stream_cap)
-            link.t = t
-        elif (link.bandwidth, link.stream_cap) != (bandwidth, stream_cap):
-            raise ValueError(f"simulate: WAN {src}->{dst} given (bandwidth, stream_cap) "
-                             f"{(link.bandwidth, link.stream_cap)} and {(bandwidth, stream_cap)}: one path, "
-                             "one bandwidth and one window")
-        return link
+        return link_for(self.links, src, dst, bandwidth, stream_cap, t)
 
     def _release(self, e: int, fwd: bool, m: int, d: int, t: float) -> None:
         r, nbytes = self.job.routes[e][d], self.job.act_bytes

@@ -7,16 +7,12 @@ import pytest
 import torch
 
 from launch.bubbletea import device as dev
-from launch.bubbletea.model import CausalLM, KVCache, LMConfig, ModelSpec, PrefillModel
+from launch.bubbletea.model import CausalLM, KVCache, ModelSpec, PrefillModel
 from launch.bubbletea.server import PrefillServer
 from launch.bubbletea.timeline import Window
+from tests.launch.bubbletea.test_server import CFG, _prompt, window_rule
 
-CFG = LMConfig(vocab=50, hidden=32, layers=1, heads=2, max_seq=64, seed=5)
 CACHE_BYTES_PER_TOKEN = 2 * 1 * 32 * 4          # k and v, L = 1 layer, H·Dh = 32, fp32
-
-
-def _prompt(n, seed=0):
-    return torch.randint(50, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture(scope="module")
@@ -39,19 +35,7 @@ def test_the_cpu_stream_is_the_null_stream_and_the_runner_a_thread_of_this_proce
 
 def test_the_window_rule_on_the_stream_runner(served):
     server, got = served
-    server.submit("r", _prompt(16))
-    server.plan([Window(None, 0.0, 0.03, tag=1)])       # 50 ms + 5 ms guard > 30 ms: nothing placed
-    server.open(1, time.perf_counter() + 0.03)
-    server.sync()
-    assert server.stats.chunks == 0
-    server.plan([Window(None, 0.0, 60.0, tag=2)])       # placed, but the window turns out short
-    server.open(2, time.perf_counter() + 0.02)
-    server.sync()
-    assert server.stats.chunks == 0 and server.stats.skipped == 2
-    server.plan([Window(None, 0.0, 60.0, tag=3)])
-    server.open(3, time.perf_counter() + 60)
-    server.sync()
-    assert server.stats.chunks == 2 and len(server) == 0 and [r.request for r in got] == ["r"]
+    window_rule(server, got)
     (r,) = got
     cache, logits = CausalLM(CFG).prefill(_prompt(16), 8)
     assert isinstance(r.cache, KVCache) and torch.equal(r.cache.k, cache.k) and torch.equal(r.logits, logits)

@@ -39,8 +39,9 @@ def test_service_runs_apart_at_the_lowest_priority(served):
     assert server.cost(Chunk(0, 0, 8, 64)) == pytest.approx(0.05)
 
 
-def test_a_chunk_that_would_overrun_its_window_is_not_started(served):
-    server, got = served
+def window_rule(server, got):
+    """A 16-token prompt (2 chunks of a modelled 50 ms, guard 5 ms) through three windows: too short to
+    place, placed but closing early, long enough; also walked by the stream runner (test_device.py)."""
     server.submit("r", _prompt(16))
     server.plan([Window(None, 0.0, 0.03, tag=1)])       # 50 ms + 5 ms guard > 30 ms: nothing placed
     server.open(1, time.perf_counter() + 0.03)
@@ -54,6 +55,10 @@ def test_a_chunk_that_would_overrun_its_window_is_not_started(served):
     server.open(3, time.perf_counter() + 60)
     server.sync()
     assert server.stats.chunks == 2 and len(server) == 0 and [r.request for r in got] == ["r"]
+
+
+def test_a_chunk_that_would_overrun_its_window_is_not_started(served):
+    window_rule(*served)
 
 
 def test_callback_gets_the_models_own_answer(served):

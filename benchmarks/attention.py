@@ -53,12 +53,12 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from benchmarks.rounds import interleaved
 from commweave import comm, ledger
 from commweave.world import World
 from megatron_patches.block import select_kernel
@@ -186,17 +186,7 @@ def _measure(s: int, b: int, h: int, d: int, rounds: int):
         out[name] = {"err": err, "fwd": {kind: fwd.sent(kind) for kind in KINDS},
                      "bwd": {kind: bwd.sent(kind) for kind in KINDS}, "peak": _peak_bytes(step),
                      "step": step, "times": [], "cpu": []}
-    names = list(out)
-    for i in range(rounds):  # rows interleaved, each round starting one row later (no order bias)
-        for r in (out[n] for n in names[i % len(names):] + names[:i % len(names)]):
-            dist.barrier()
-            t, c = time.perf_counter(), time.process_time()
-            r["step"]()
-            r["cpu"].append(time.process_time() - c)
-            dist.barrier()
-            r["times"].append(time.perf_counter() - t)
-    for r in out.values():
-        del r["step"]
+    interleaved(out, rounds)
     return out
 
 

@@ -45,6 +45,8 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
+from commweave import values
+
 FORMAT = "commweave-wallfacer-profile/2"
 ENV = "COMMWEAVE_WALLFACER_PROFILE"
 SOURCES = ("measured", "spec")
@@ -246,13 +248,12 @@ def from_json(raw: dict, source: str = "<profile>") -> Profile:
 
 
 def load(path: str) -> Profile:
+    """The profile in the JSON file ``path`` (commweave.values.load_json: a regular file of bounded size and
+    depth, UTF-8, no duplicate keys, no NaN or Infinity); ValueError naming the file and the rule."""
     try:
-        with open(path) as f:
-            raw = json.load(f)
-    except OSError as e:
-        raise ValueError(f"wallfacer profile {path!r} cannot be read: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"wallfacer profile {path!r} is not JSON: {e}") from None
+        raw = values.load_json(path, "wallfacer profile", top=dict)
+    except ValueError as e:
+        raise ValueError(f"wallfacer profile {path!r}: {getattr(e, 'rule', e)}") from None
     return from_json(raw, path)
 
 

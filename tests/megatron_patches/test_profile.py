@@ -1,6 +1,7 @@
 """Cost profiles: the JSON round trip, refusals naming the field, interpolation, and where auto reads one."""
 
 import json
+import re
 
 import pytest
 
@@ -91,8 +92,16 @@ def test_where_auto_reads_a_profile(tmp_path, monkeypatch):
     assert profile_path(None) == path and profile_path("given.json") == "given.json"
     assert cfg.topology(8).profile == load(path)
     assert WallFacerConfig(profile=path).topology(8).profile == load(path)
-    with pytest.raises(ValueError, match=r"wallfacer profile '/nope\.json' cannot be read"):
+    with pytest.raises(ValueError, match=r"wallfacer profile '/nope\.json': must be a readable regular JSON "
+                                         r"file \(no such file\)"):
         WallFacerConfig(profile="/nope.json")
-    (tmp_path / "bad.json").write_text("{")
-    with pytest.raises(ValueError, match="is not JSON"):
-        WallFacerConfig(profile=str(tmp_path / "bad.json"))
+    bad = tmp_path / "bad.json"
+    for text, rule in (("{", "not valid JSON: Expecting property name"),
+                       ('{"overlap": NaN}', "NaN is not JSON"), ('{"a": 1, "a": 2}', "duplicate key 'a'"),
+                       ("[]", "the top level must be a JSON object")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(f"wallfacer profile '{bad}': {rule}")):
+            WallFacerConfig(profile=str(bad))
+    with pytest.raises(ValueError, match=re.escape(f"wallfacer profile '{tmp_path}': must be a readable "
+                                                   f"regular JSON file, not a directory")):
+        WallFacerConfig(profile=str(tmp_path))

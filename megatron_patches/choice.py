@@ -71,11 +71,13 @@ def _hybrid_parts(sh: Shard, u: int, nodes: list[int], topo: Topology | None):
 
 def plan_s(world: int, sh: Shard, nodes: list[int], topo: Topology, u: int, c: int, order: str,
            causal: bool = True, layout: str = "zigzag") -> float:
-    """Seconds of one given (U, C, slot order): WallFacer over the P/U groups plus the head all-to-alls."""
+    """Seconds of one given (U, C, slot order): WallFacer over the P/U groups, the head all-to-alls and
+    the profile's host work of the plan (host.py)."""
     inner, sub_nodes, shared = _hybrid_parts(sh, u, nodes, topo)
     p = world // u
     lay = Layout(p, c, ORDERS[order](p, c), layout)
-    return estimate(lay, inner, sub_nodes, shared, causal) + _all_to_all(sh, u, nodes, topo)
+    return (estimate(lay, inner, sub_nodes, shared, causal) + _all_to_all(sh, u, nodes, topo)
+            + topo.profile.host_s(world, u, c, order))
 
 
 def candidates(world: int, sh: Shard, nodes: list[int]) -> list[tuple[int, int, str]]:
@@ -110,8 +112,9 @@ def plan(world: int, sh: Shard, nodes: list[int], topo: Topology | None, u: int,
     p = world // u
     lay = choose(p, inner, sub_nodes, shared, team_size, placement, layout, causal)
     name = next(n for n, order in ORDERS.items() if tuple(order(p, lay.team_size)) == lay.order)
-    seconds = None if topo is None else \
-        estimate(lay, inner, sub_nodes, shared, causal) + _all_to_all(sh, u, nodes, topo)
+    seconds = None if topo is None else (estimate(lay, inner, sub_nodes, shared, causal)
+                                         + _all_to_all(sh, u, nodes, topo)
+                                         + topo.profile.host_s(world, u, lay.team_size, name))
     return Plan(u, lay.team_size, name, seconds, lay)
 
 

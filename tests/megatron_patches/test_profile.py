@@ -27,6 +27,24 @@ def test_round_trip(tmp_path):
     assert raw["node_gbytes"] == pytest.approx(12.5 * 1448 / 1538)
 
 
+def test_host_work_round_trips_and_is_priced_per_plan(tmp_path):
+    from dataclasses import replace
+
+    from megatron_patches.choice import plan_s
+    from megatron_patches.placement import Topology
+    from megatron_patches.volume import Shard
+
+    prof = spec_profile(8, 10.0, 10.0)
+    timed = replace(prof, host={"8 2 1 team-major": 0.25})
+    save(timed, str(tmp_path / "h.json"))
+    assert load(str(tmp_path / "h.json")).host == {"8 2 1 team-major": 0.25}
+    assert timed.host_s(8, 2, 1, "team-major") == 0.25 and timed.host_s(8, 1, 1, "team-major") == 0.0
+    sh, nodes = Shard(512, 1, 8, 8, 64, 4, 4), [0] * 8
+    base = [plan_s(8, sh, nodes, Topology.from_profile(prof), u, 1, "team-major") for u in (1, 2)]
+    with_host = [plan_s(8, sh, nodes, Topology.from_profile(timed), u, 1, "team-major") for u in (1, 2)]
+    assert with_host == [base[0], pytest.approx(base[1] + 0.25, rel=1e-12)]
+
+
 def test_curve_interpolates_log_log_and_holds_at_the_ends():
     c = Curve(((100.0, 1.0), (10000.0, 4.0)))
     assert c.tflops(10.0) == 1.0 and c.tflops(1e6) == 4.0
@@ -72,6 +90,9 @@ def _raw():
      "efficiency=9 must be <= 4"),
     (lambda r: r.update(inter=None), "inter and node_gbytes go together"),
     (lambda r: r.update(extra=1), "unknown fields ['extra']"),
+    (lambda r: r.update(host=[1]), "host=[1] must map 'P U C order' to seconds"),
+    (lambda r: r.update(host={"8 1": 1.0}), "host key '8 1' must be 'P U C order'"),
+    (lambda r: r.update(host={"8 1 2 team-major": -1.0}), "host['8 1 2 team-major']=-1.0 must be a finite"),
 ])
 def test_bad_profiles_name_the_field(edit, message):
     raw = _raw()

@@ -4,7 +4,8 @@ A plan is a Ulysses size U (an all-to-all over heads inside groups of U ranks of
 team size C over the P/U groups (C = 1: ring attention) and the slot order of that WallFacer
 (placement.ORDERS). Each group rank holds U·N/P tokens of h/U heads; K/V heads fewer than U are
 replicated to U/g ranks, as hybrid.py sends them. The seconds are placement.estimate's for the WallFacer
-part (the profile's kernels, links and collectives) plus the head all-to-alls. :func:`choose_hybrid` is
+part (the profile's kernels, links and collectives) plus the head all-to-alls plus the profile's host work
+of the plan (host.py; 0 where the profile has none). :func:`choose_hybrid` is
 auto's choice (attention.plan_layout calls it for one CP group's shards), :func:`reason` what it prints;
 ``python -m megatron_patches.estimate`` tabulates the same plans for a cluster.
 """

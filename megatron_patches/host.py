@@ -22,9 +22,10 @@ host work is added: the α of every message and the curves' smallest-block throu
 clamped at 0. The structure (how many kernel calls, steps, messages and autograd nodes) is the same at
 every sequence length for a dense batch, so the model adds host(U, C, order) to its price at any length
 (Profile.host_s). What this leaves out, and says: work that grows with the sizes outside the kernels and
-messages (zeroing accumulators, the gathers' row sorting, dtype casts: memory traffic), and
-a per-call fixed cost that the smallest measured block also holds (counted twice: at most the number of
-kernel calls times that block's time, bounded in the README).
+messages (zeroing accumulators, the gathers' row sorting, dtype casts: memory traffic), and a kernel
+call's fixed cost, which the curves' measured blocks (128 rows and up) also hold, is counted twice; that
+share is not separated here (it is at most the host value itself: 2-16 ms per plan at P = 8 on this
+machine, README).
 """
 
 from __future__ import annotations

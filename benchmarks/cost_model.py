@@ -5,17 +5,22 @@ every (U, C, order) candidate ``auto`` chooses among and compare the model's ran
 
 Per world of P gloo ranks (one thread each, as benchmarks.attention runs them): first the calibration
 (megatron_patches.calibrate's microbenchmarks on the same P ranks: ring exchange, the three collectives
-per group size, the kernel per block size, overlap; nothing of the attention runs below goes into it),
-then the candidates' causal attention forward + backward (wallfacer_attention with ulysses_size U, team
-size C and the slot order; MHA, fp32, N = P x --seq-per-rank tokens), interleaved rounds
-(benchmarks.rounds), then the model's seconds for each (choice.plan_s with the measured profile, one
-node). Both clocks: wall (median over rounds of the slowest rank) and CPU (median of the mean over ranks
-of each rank's process CPU time), each against the profile calibrated in that clock.
+per group size, the kernel per block size, overlap, and the host work of each plan's code path on 16
+rows per rank (host.py); nothing of the attention runs below goes into it), then the candidates' causal
+attention forward + backward (wallfacer_attention with ulysses_size U, team size C and the slot order;
+MHA, fp32, N = P x --seq-per-rank tokens) in --reps + 1 rounds (the first dropped), each round running
+the candidates in a rotated order and then in its reverse (a linear load drift adds the same to each),
+then the model's seconds for each (choice.plan_s with the measured profile, one node). Both clocks: wall
+(median over rounds of the slowest rank) and CPU (median of the mean over ranks of each rank's process
+CPU time), each against the profile calibrated in that clock.
 
-Printed per world and clock: candidate, measured ms, predicted ms, predicted/measured, measured and
-predicted rank; Kendall's tau-b of the two orders (ties in the model, e.g. two orders that are the
-same links on one node, count as ties); the model's pick and how far its measured time is from the
-measured best. The last line is JSON of the same.
+Printed per world and clock: candidate, measured ms and its spread (interquartile range over rounds, %
+of the median), predicted ms and the host share of it, predicted/measured, measured and predicted rank;
+Kendall's tau-b twice: without the tie rule (the medians' order, every difference counts) and with it
+(a pair is a measured tie when its paired per-round ratios' quartiles lie on both sides of 1:
+tied_pairs); ties in the model (two orders that are the same links on one node) count as ties in both;
+the model's pick, how far its measured time is from the measured best and whether the two are a
+measured tie. The last line is JSON of the same.
 """
 
 from __future__ import annotations
@@ -26,21 +31,22 @@ import math
 import os
 import statistics
 import sys
-
-import torch
-
-from benchmarks.rounds import interleaved
+import time
 
 
-def kendall_tau(x: list[float], y: list[float], rel: float = 1e-9) -> float:
-    """Kendall's tau-b; values within ``rel`` of each other are ties."""
-    def sign(a: float, b: float) -> int:
-        return 0 if abs(a - b) <= rel * max(abs(a), abs(b)) else (1 if a > b else -1)
+def _sign(a: float, b: float, rel: float) -> int:
+    return 0 if abs(a - b) <= rel * max(abs(a), abs(b)) else (1 if a > b else -1)
 
+
+def kendall_tau(x: list[float], y: list[float], rel: float = 1e-9, ties=None) -> float:
+    """Kendall's tau-b of the orders of x and y; values within ``rel`` of each other are ties, and so is
+    every pair (i, j) in ``ties`` (measured ties, in y: tied_pairs)."""
+    ties = set() if ties is None else ties
     conc = disc = tie_x = tie_y = 0
     for i in range(len(x)):
         for j in range(i + 1, len(x)):
-            dx, dy = sign(x[i], x[j]), sign(y[i], y[j])
+            dx = _sign(x[i], x[j], rel)
+            dy = 0 if (i, j) in ties else _sign(y[i], y[j], rel)
             if dx == 0 and dy == 0:
                 continue
             if dx == 0:
@@ -55,36 +61,52 @@ def kendall_tau(x: list[float], y: list[float], rel: float = 1e-9) -> float:
     return (conc - disc) / denom if denom else 1.0
 
 
+def tied_pairs(series: list[list[float]]) -> set[tuple[int, int]]:
+    """The tie rule: candidates i < j are a measured tie when the paired per-round ratios t_i / t_j (the
+    same round: the same load) have their lower and upper quartiles (statistics.quantiles, inclusive) on
+    both sides of 1 (or on it), i.e. neither was faster in about three rounds of four. With 5 rounds: a
+    pair is resolved only when one candidate was faster in at least 4 of them."""
+    out = set()
+    for i in range(len(series)):
+        for j in range(i + 1, len(series)):
+            r = [a / b for a, b in zip(series[i], series[j], strict=True)]
+            q1, _, q3 = statistics.quantiles(r, n=4, method="inclusive") if len(r) > 1 else (r[0],) * 3
+            if q1 <= 1 <= q3:
+                out.add((i, j))
+    return out
+
+
 def name(u: int, c: int, order: str) -> str:
     return f"U={u} C={c}" + (f" {order}" if c > 1 else "")
 
 
 def _measure(s: int, b: int, h: int, d: int, cands: list, rounds: int) -> dict:
-    """On every rank: each candidate's interleaved (wall, CPU) seconds (benchmarks.rounds)."""
+    """On every rank: each candidate's (wall, CPU) seconds per round. A round runs the candidates in a
+    rotated order and then in its reverse (A B C … C B A, each round starting one later), and a
+    candidate's value is the mean of its two runs: a load that drifts linearly over the round adds the
+    same to every candidate. Wall: barrier to barrier (the slowest rank); CPU: this process's."""
     import torch.distributed as dist
 
-    from megatron_patches.layout import rank_chunks
-    from megatron_patches.placement import ORDERS
-    from megatron_patches.wallfacer import wallfacer_attention
+    from megatron_patches.host import plan_key, plan_steps
 
-    world, me = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(0)
-    half = s // 2
-    rows = torch.cat([torch.arange(c * half, (c + 1) * half) for c in rank_chunks("zigzag", world, me)])
-    q, k, v, g = (torch.randn(world * s, b, h, d)[rows] for _ in range(4))
-    ins = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = {}
-    for u, c, order in cands:
-        p = world // u
-        perm = ORDERS[order](p, c)
-
-        def step(u=u, c=c, perm=perm):
-            wallfacer_attention(*ins, dist.group.WORLD, c, ulysses_size=u, order=perm,
-                                check=False).backward(g)
-        step()  # groups and first-call buffers outside the timing
-        out[name(u, c, order)] = {"step": step, "times": [], "cpu": []}
-    interleaved(out, rounds)
-    return out
+    world = dist.get_world_size()
+    steps = plan_steps(s, b, h, d, cands)
+    names = [plan_key(world, *c) for c in cands]
+    out = {n: {"times": [], "cpu": []} for n in names}
+    for i in range(rounds):
+        order = names[i % len(names):] + names[:i % len(names)]
+        got = {n: [] for n in names}
+        for n in order + order[::-1]:
+            dist.barrier()
+            t, c = time.perf_counter(), time.process_time()
+            steps[n]()
+            cpu = time.process_time() - c
+            dist.barrier()
+            got[n].append((time.perf_counter() - t, cpu))
+        for n, ts in got.items():
+            out[n]["times"].append(statistics.mean(w for w, _ in ts))
+            out[n]["cpu"].append(statistics.mean(c for _, c in ts))
+    return {name(*c): out[n] for c, n in zip(cands, names, strict=True)}
 
 
 def world_table(world: int, args, calib_cfg: dict) -> dict:
@@ -98,50 +120,66 @@ def world_table(world: int, args, calib_cfg: dict) -> dict:
     sh, nodes = Shard(s, b, h, h, d, 4, 4), [0] * world
     cands = candidates(world, sh, nodes)
     load0 = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    t0 = time.time()
     with World(world, timeout=3600, start_timeout=900) as w:
         profiles = calibrate({**calib_cfg, "ranks": world}, world=w)
+        t1 = time.time()
         per_rank = w.run(_measure, s, b, h, d, cands, args.reps + 1, timeout=3600)
     load1 = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    out = {"load": [load0, load1], "profiles": {k: p.to_json() for k, p in profiles.items()}}
+    out = {"load": [load0, load1], "calibration_s": t1 - t0, "candidates_s": time.time() - t1,
+           "profiles": {k: p.to_json() for k, p in profiles.items()}}
     for clock, prof in profiles.items():
         topo = Topology.from_profile(prof, world)
-        rows = []
+        rows, series = [], []
         for u, c, order in cands:
             n = name(u, c, order)
             if clock == "wall":
-                series = [max(r[n]["times"][i] for r in per_rank) for i in range(1, args.reps + 1)]
+                ser = [max(r[n]["times"][i] for r in per_rank) for i in range(1, args.reps + 1)]
             else:
-                series = [statistics.mean(r[n]["cpu"][i] for r in per_rank) for i in range(1, args.reps + 1)]
-            rows.append({"name": n, "measured_ms": 1e3 * statistics.median(series),
-                         "predicted_ms": 1e3 * plan_s(world, sh, nodes, topo, u, c, order)})
-        out[clock] = summarize(rows)
+                ser = [statistics.mean(r[n]["cpu"][i] for r in per_rank) for i in range(1, args.reps + 1)]
+            series.append(ser)
+            q1, _, q3 = statistics.quantiles(ser, n=4, method="inclusive")
+            rows.append({"name": n, "measured_ms": 1e3 * statistics.median(ser),
+                         "iqr_pct": 100 * (q3 - q1) / statistics.median(ser),
+                         "predicted_ms": 1e3 * plan_s(world, sh, nodes, topo, u, c, order),
+                         "host_ms": 1e3 * prof.host_s(world, u, c, order)})
+        out[clock] = summarize(rows, tied_pairs(series))
         print_table(world, clock, out[clock], args, load0, load1)
     return out
 
 
-def summarize(rows: list[dict]) -> dict:
+def summarize(rows: list[dict], ties: set | None = None) -> dict:
+    """Ranks, Kendall's tau-b without the tie rule (every measured difference counts) and with it
+    (``ties``: tied_pairs), the model's pick and the measured best, and whether they are a measured tie."""
+    ties = set() if ties is None else ties
     meas, pred = [r["measured_ms"] for r in rows], [r["predicted_ms"] for r in rows]
     for key, vals in (("measured_rank", meas), ("predicted_rank", pred)):
         for i, r in enumerate(sorted(range(len(rows)), key=lambda i: vals[i])):
             rows[r][key] = i + 1
     pick = min(range(len(rows)), key=lambda i: pred[i])
-    best = min(meas)
-    return {"rows": rows, "kendall_tau": kendall_tau(pred, meas), "pick": rows[pick]["name"],
-            "best": rows[meas.index(best)]["name"], "pick_over_best": meas[pick] / best}
+    best = meas.index(min(meas))
+    return {"rows": rows, "kendall_tau": kendall_tau(pred, meas),
+            "kendall_tau_ties": kendall_tau(pred, meas, ties=ties),
+            "tied": sorted([rows[i]["name"], rows[j]["name"]] for i, j in ties),
+            "pick": rows[pick]["name"], "best": rows[best]["name"], "pick_over_best": meas[pick] / meas[best],
+            "pick_tied_with_best": pick == best or (min(pick, best), max(pick, best)) in ties}
 
 
 def print_table(world: int, clock: str, t: dict, args, load0: str, load1: str) -> None:
     print(f"\nP = {world}, {world * args.seq_per_rank} tokens, "
           f"{args.heads} heads x {args.head_dim}, fp32, causal; "
           f"{clock} clock, median of {args.reps} interleaved rounds; load {load0} -> {load1}")
-    print(f"{'candidate':<22}{'measured ms':>12}{'predicted ms':>13}{'pred/meas':>10}{'rank meas':>10}"
-          f"{'rank pred':>10}")
+    print(f"{'candidate':<22}{'measured ms':>12}{'IQR %':>7}{'predicted ms':>13}{'host ms':>8}"
+          f"{'pred/meas':>10}{'rank meas':>10}{'rank pred':>10}")
     for r in t["rows"]:
-        print(f"{r['name']:<22}{r['measured_ms']:>12.1f}{r['predicted_ms']:>13.1f}"
-              f"{r['predicted_ms'] / r['measured_ms']:>10.2f}"
+        print(f"{r['name']:<22}{r['measured_ms']:>12.1f}{r['iqr_pct']:>7.1f}{r['predicted_ms']:>13.1f}"
+              f"{r['host_ms']:>8.1f}{r['predicted_ms'] / r['measured_ms']:>10.2f}"
               f"{r['measured_rank']:>10}{r['predicted_rank']:>10}")
-    print(f"Kendall tau-b {t['kendall_tau']:.2f}; model's pick {t['pick']}, measured best {t['best']}; "
-          f"the pick's measured time / the best's: {t['pick_over_best']:.3f}")
+    print(f"Kendall tau-b {t['kendall_tau']:.2f} (every measured difference counts), "
+          f"{t['kendall_tau_ties']:.2f} with measured ties ({len(t['tied'])}: "
+          f"{'; '.join(' = '.join(p) for p in t['tied']) or 'none'}); model's pick {t['pick']}, "
+          f"measured best {t['best']}; the pick's measured time / the best's: {t['pick_over_best']:.3f}"
+          f"{' (a measured tie)' if t['pick_tied_with_best'] and t['pick'] != t['best'] else ''}")
 
 
 def main(argv=None) -> dict:
@@ -174,7 +212,8 @@ def main(argv=None) -> dict:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(out, f, indent=1)
-    line = {k: {clock: {m: v[clock][m] for m in ("kendall_tau", "pick", "best", "pick_over_best")}
+    line = {k: {clock: {m: v[clock][m] for m in ("kendall_tau", "kendall_tau_ties", "pick", "best",
+                                                 "pick_over_best", "pick_tied_with_best")}
                 for clock in ("wall", "cpu")} for k, v in out.items()}
     print(json.dumps(line))
     return out

@@ -24,6 +24,9 @@ time too. Each figure is the median over ``--reps`` repetitions of the slowest r
 - ``overlap``: one block forward (n = --overlap-rows) and one ring hop (--overlap-bytes) alone, then the
   hop posted before the block and waited after it: (t_block + t_hop − t_both) / min(t_block, t_hop).
 - ``gemm_tflops``: a [4096, H] x [H, H] matmul (H = --hidden), 2·4096·H² FLOPs.
+- ``host``: every plan (U, C, order) of the world run through wallfacer_attention forward + backward on
+  --host-rows rows per rank, plans interleaved; less the model's price of that tiny problem, the code
+  path's own work per plan (host.py for the derivation; --host-rows 0: not measured).
 
 Across nodes nothing is measured here (one machine): the profile has no ``inter`` link, and the cost
 model refuses to plan across nodes with it. With ``--ranks 1`` (one GPU) nothing but the kernels can be
@@ -38,10 +41,12 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
 from commweave import cost
+from megatron_patches import host
 from megatron_patches.profile import (
     BWD_FLOPS,
     CURVES,
@@ -81,7 +86,7 @@ def _timed(fn, reps: int, device, inner: int = 1, warm: bool = True) -> list[tup
     return out
 
 
-def _timed_rounds(fns: dict, reps: int, device) -> dict:
+def _timed_rounds(fns: dict, reps: int, device, inner: int = 1) -> dict:
     """_timed for several closures, interleaved: each repetition times every one once, starting one later
     each round (benchmarks.rounds' rule), so that the machine's load drifting over the minutes a
     calibration takes biases no kernel shape against another."""
@@ -90,7 +95,7 @@ def _timed_rounds(fns: dict, reps: int, device) -> dict:
     names, out = list(fns), {name: [] for name in fns}
     for i in range(reps):
         for name in names[i % len(names):] + names[:i % len(names)]:
-            out[name] += _timed(fns[name], 1, device, warm=False)
+            out[name] += _timed(fns[name], 1, device, inner, warm=False)
     return out
 
 
@@ -194,6 +199,10 @@ def measure(cfg: dict) -> dict:
         comm.wait_all(works)
     out["overlap"] = {"block": _timed(block, reps, device), "hop": _timed(hop, reps, device),
                       "both": _timed(both, reps, device)}
+    if cfg["host_rows"]:
+        plans = host.host_plans(world, max(cfg["heads"]), cfg["head_dim"], dtype.itemsize, 4)
+        steps = host.plan_steps(cfg["host_rows"], 1, max(cfg["heads"]), cfg["head_dim"], plans, dtype, device)
+        out["host"] = _timed_rounds(steps, reps, device, cfg["inner"])
     return out
 
 
@@ -244,8 +253,15 @@ def profile_from(per_rank: list, cfg: dict, description: str, clock: str = "wall
     ov = {k: _slowest(per_rank, lambda r, k=k: r["overlap"][k]) for k in ("block", "hop", "both")}
     overlap = (ov["block"] + ov["hop"] - ov["both"]) / min(ov["block"], ov["hop"])
     provenance.update(ring_r2=round(ring.r2, 4), overlap_s={k: round(v, 6) for k, v in ov.items()})
-    return Profile("measured", description, len(per_rank), intra, colls, curves, min(max(overlap, 0.0), 1.0),
+    prof = Profile("measured", description, len(per_rank), intra, colls, curves, min(max(overlap, 0.0), 1.0),
                    gemm, provenance=provenance)
+    if "host" not in r0:
+        return prof
+    tiny = {k: _slowest(per_rank, lambda r, k=k: r["host"][k]) for k in r0["host"]}
+    provenance.update(host_rows=cfg["host_rows"], host_tiny_s={k: round(v, 6) for k, v in tiny.items()})
+    elt = getattr(torch, cfg["dtype"]).itemsize
+    return replace(prof, host=host.host_table(tiny, len(per_rank), max(cfg["heads"]), cfg["head_dim"], elt, 4,
+                                              prof))
 
 
 def measurements(cfg: dict, world=None) -> list:
@@ -291,6 +307,8 @@ def config(argv=None) -> dict:
                    help="measure a block of n rows at h heads only where n x h <= this (default: all)")
     p.add_argument("--overlap-rows", type=int, default=512)
     p.add_argument("--overlap-bytes", type=int, default=1 << 20)
+    p.add_argument("--host-rows", type=int, default=host.HOST_ROWS, choices=(0, host.HOST_ROWS),
+                   help="rows per rank of the host-work runs (host.py); 0: host work not measured")
     p.add_argument("--intra-GBps", type=float, default=450.0, help="--ranks 1 only: the link, from specs")
     p.add_argument("--intra-latency-us", type=float, default=3.0, help="--ranks 1 only")
     a = p.parse_args(argv)
@@ -312,7 +330,8 @@ def config(argv=None) -> dict:
             "sizes": [1 << i for i in range(lo, hi + 1)],
             "heads": sorted(set(a.heads)), "head_dim": a.head_dim, "hidden": a.hidden,
             "overlap_rows": a.overlap_rows, "max_rows_x_heads": a.max_rows_x_heads,
-            "overlap_bytes": a.overlap_bytes, "intra_gbytes": a.intra_GBps, "intra_us": a.intra_latency_us}
+            "overlap_bytes": a.overlap_bytes, "host_rows": a.host_rows,
+            "intra_gbytes": a.intra_GBps, "intra_us": a.intra_latency_us}
 
 
 def main(argv=None) -> Profile:

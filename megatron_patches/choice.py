@@ -4,7 +4,8 @@ A plan is a Ulysses size U (an all-to-all over heads inside groups of U ranks of
 team size C over the P/U groups (C = 1: ring attention) and the slot order of that WallFacer
 (placement.ORDERS). Each group rank holds U·N/P tokens of h/U heads; K/V heads fewer than U are
 replicated to U/g ranks, as hybrid.py sends them. The seconds are placement.estimate's for the WallFacer
-part (the profile's kernels, links and collectives) plus the head all-to-alls. :func:`choose_hybrid` is
+part (the profile's kernels, links and collectives) plus the head all-to-alls plus the profile's host work
+of the plan (host.py; 0 where the profile has none). :func:`choose_hybrid` is
 auto's choice (attention.plan_layout calls it for one CP group's shards), :func:`reason` what it prints;
 ``python -m megatron_patches.estimate`` tabulates the same plans for a cluster.
 """
@@ -71,11 +72,13 @@ def _hybrid_parts(sh: Shard, u: int, nodes: list[int], topo: Topology | None):
 
 def plan_s(world: int, sh: Shard, nodes: list[int], topo: Topology, u: int, c: int, order: str,
            causal: bool = True, layout: str = "zigzag") -> float:
-    """Seconds of one given (U, C, slot order): WallFacer over the P/U groups plus the head all-to-alls."""
+    """Seconds of one given (U, C, slot order): WallFacer over the P/U groups, the head all-to-alls and
+    the profile's host work of the plan (host.py)."""
     inner, sub_nodes, shared = _hybrid_parts(sh, u, nodes, topo)
     p = world // u
     lay = Layout(p, c, ORDERS[order](p, c), layout)
-    return estimate(lay, inner, sub_nodes, shared, causal) + _all_to_all(sh, u, nodes, topo)
+    return (estimate(lay, inner, sub_nodes, shared, causal) + _all_to_all(sh, u, nodes, topo)
+            + topo.profile.host_s(world, u, c, order))
 
 
 def candidates(world: int, sh: Shard, nodes: list[int]) -> list[tuple[int, int, str]]:
@@ -110,8 +113,9 @@ def plan(world: int, sh: Shard, nodes: list[int], topo: Topology | None, u: int,
     p = world // u
     lay = choose(p, inner, sub_nodes, shared, team_size, placement, layout, causal)
     name = next(n for n, order in ORDERS.items() if tuple(order(p, lay.team_size)) == lay.order)
-    seconds = None if topo is None else \
-        estimate(lay, inner, sub_nodes, shared, causal) + _all_to_all(sh, u, nodes, topo)
+    seconds = None if topo is None else (estimate(lay, inner, sub_nodes, shared, causal)
+                                         + _all_to_all(sh, u, nodes, topo)
+                                         + topo.profile.host_s(world, u, lay.team_size, name))
     return Plan(u, lay.team_size, name, seconds, lay)
 
 

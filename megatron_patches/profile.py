@@ -22,7 +22,9 @@ attention benchmark's rows). The JSON file (``FORMAT``) is what ``--wallfacer-pr
                      ..., "all_to_all": ...},            # on the intra link, every group running at once
      "attention": {"fwd": {"8": [[work, tflops], ...], "1": ...}, "fwd_causal": ..., "bwd": ...,
                    "bwd_causal": ...},                  # per curve: b·h heads per call -> points
-     "overlap": 0.7, "gemm_tflops": 0.02, "provenance": {...}}
+     "overlap": 0.7, "gemm_tflops": 0.02,
+     "host": {"8 1 2 team-major": 0.012, ...},           # host.py: seconds per plan "P U C order"
+     "provenance": {...}}
 
 A collective on g ranks moving n bytes per rank on a link of β s/byte costs α_g + β·n·(g−1)/g / e_g: e_g = 1
 is the ring/pairwise algorithm at the link's rate (cost.py), e_g < 1 what the measurement found less.
@@ -35,6 +37,11 @@ ends). Each curve is measured at one or more head counts (a causal call's tiling
 rows, so 1 head x 4096² and 8 heads x 1024² differ at equal work): a call is priced on the curve of the
 measured head count nearest its own (in log, the larger on a tie). Format 2 (this one) keys the curves
 by heads and work; format 1 keyed them by scores of one head.
+
+Host work (host.py): the seconds a plan's forward + backward spends besides its kernels and bytes, measured
+on the code path at 16 rows per rank less the model's price of that tiny problem, keyed "P U C order"
+(choice.plan_s adds it). Optional: a profile without it (the spec model, or one calibrated with
+``--host-rows 0``) prices no host work, and Profile.host_s says 0 for a plan it does not hold.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
+
+from commweave import values
 
 FORMAT = "commweave-wallfacer-profile/2"
 ENV = "COMMWEAVE_WALLFACER_PROFILE"
@@ -143,6 +152,7 @@ class Profile:
     inter: Link | None = None
     node_gbytes: float | None = None
     provenance: dict = field(default_factory=dict)
+    host: dict = field(default_factory=dict)  # host.plan_key -> seconds
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -165,6 +175,14 @@ class Profile:
             raise ValueError("profile inter and node_gbytes go together: both null (one node) or both given")
         if self.node_gbytes is not None:
             _number(self.node_gbytes, "node_gbytes", 0.0, strict=True)
+        for key, t in self.host.items():
+            if not isinstance(key, str) or len(key.split()) != 4:
+                raise ValueError(f"profile host key {key!r} must be 'P U C order'")
+            _number(t, f"host[{key!r}]", 0.0)
+
+    def host_s(self, world: int, u: int, c: int, order: str) -> float:
+        """Host seconds of one forward + backward of the plan (host.py), 0 where not measured."""
+        return self.host.get(f"{world} {u} {c} {order}", 0.0)
 
     def collective(self, kind: str, g: int) -> Collective:
         """The measured (α, efficiency) of ``kind`` on g ranks; an unmeasured g takes the nearest measured
@@ -207,7 +225,7 @@ def from_json(raw: dict, source: str = "<profile>") -> Profile:
                 if isinstance(got, str) and got.startswith(FORMAT[:-1]) else ""
             raise ValueError(f"format={got!r} must be {FORMAT!r}{again}")
         known = {"format", "source", "description", "ranks_per_node", "intra", "inter", "node_gbytes",
-                 "collectives", "attention", "overlap", "gemm_tflops", "provenance"}
+                 "collectives", "attention", "overlap", "gemm_tflops", "provenance", "host"}
         if set(raw) - known:
             raise ValueError(f"unknown fields {sorted(set(raw) - known)}")
         colls = {}
@@ -235,24 +253,27 @@ def from_json(raw: dict, source: str = "<profile>") -> Profile:
                     raise ValueError(f"attention.{k}.{h} must be a list of [work, tflops] pairs")
                 table[int(h)] = Curve(tuple((p[0], p[1]) for p in pts))
             curves[k] = Kernel(table)
+        host = raw.get("host") or {}
+        if not isinstance(host, dict):
+            raise ValueError(f"host={host!r} must map 'P U C order' to seconds")
         missing = [k for k in ("source", "ranks_per_node", "intra", "overlap", "gemm_tflops") if k not in raw]
         if missing:
             raise ValueError(f"missing fields {missing}")
         return Profile(raw["source"], str(raw.get("description", "")), raw["ranks_per_node"],
                        _link(raw["intra"], "intra"), colls, curves, raw["overlap"], raw["gemm_tflops"],
-                       _link(raw.get("inter"), "inter"), raw.get("node_gbytes"), raw.get("provenance") or {})
+                       _link(raw.get("inter"), "inter"), raw.get("node_gbytes"), raw.get("provenance") or {},
+                       host)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
 
 
 def load(path: str) -> Profile:
+    """The profile in the JSON file ``path`` (commweave.values.load_json: a regular file of bounded size and
+    depth, UTF-8, no duplicate keys, no NaN or Infinity); ValueError naming the file and the rule."""
     try:
-        with open(path) as f:
-            raw = json.load(f)
-    except OSError as e:
-        raise ValueError(f"wallfacer profile {path!r} cannot be read: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"wallfacer profile {path!r} is not JSON: {e}") from None
+        raw = values.load_json(path, "wallfacer profile", top=dict)
+    except ValueError as e:
+        raise ValueError(f"wallfacer profile {path!r}: {getattr(e, 'rule', e)}") from None
     return from_json(raw, path)
 
 

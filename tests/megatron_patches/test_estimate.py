@@ -105,7 +105,8 @@ def test_no_causal_and_missing_ulysses(capsys):
     ("--intra-GBps 0", "--intra-GBps 0.0 must be finite and > 0"),
     ("--latency-us -1", "--latency-us -1.0 must be finite and >= 0"),
     ("--inter-Gbps inf", "--inter-Gbps inf must be finite and > 0"),
-    ("--profile /nonexistent/p.json", "wallfacer profile '/nonexistent/p.json' cannot be read"),
+    ("--profile /nonexistent/p.json",
+     "wallfacer profile '/nonexistent/p.json': must be a readable regular JSON file (no such file)"),
 ])
 def test_bad_arguments_name_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -1,6 +1,7 @@
 """Cost profiles: the JSON round trip, refusals naming the field, interpolation, and where auto reads one."""
 
 import json
+import re
 
 import pytest
 
@@ -24,6 +25,24 @@ def test_round_trip(tmp_path):
     assert raw["intra"] == {"alpha_us": pytest.approx(3.0), "gbytes": 300.0}
     # 100 Gb/s Ethernet: the TCP payload share of the line rate (specs.py), one NIC for the node
     assert raw["node_gbytes"] == pytest.approx(12.5 * 1448 / 1538)
+
+
+def test_host_work_round_trips_and_is_priced_per_plan(tmp_path):
+    from dataclasses import replace
+
+    from megatron_patches.choice import plan_s
+    from megatron_patches.placement import Topology
+    from megatron_patches.volume import Shard
+
+    prof = spec_profile(8, 10.0, 10.0)
+    timed = replace(prof, host={"8 2 1 team-major": 0.25})
+    save(timed, str(tmp_path / "h.json"))
+    assert load(str(tmp_path / "h.json")).host == {"8 2 1 team-major": 0.25}
+    assert timed.host_s(8, 2, 1, "team-major") == 0.25 and timed.host_s(8, 1, 1, "team-major") == 0.0
+    sh, nodes = Shard(512, 1, 8, 8, 64, 4, 4), [0] * 8
+    base = [plan_s(8, sh, nodes, Topology.from_profile(prof), u, 1, "team-major") for u in (1, 2)]
+    with_host = [plan_s(8, sh, nodes, Topology.from_profile(timed), u, 1, "team-major") for u in (1, 2)]
+    assert with_host == [base[0], pytest.approx(base[1] + 0.25, rel=1e-12)]
 
 
 def test_curve_interpolates_log_log_and_holds_at_the_ends():
@@ -71,6 +90,9 @@ def _raw():
      "efficiency=9 must be <= 4"),
     (lambda r: r.update(inter=None), "inter and node_gbytes go together"),
     (lambda r: r.update(extra=1), "unknown fields ['extra']"),
+    (lambda r: r.update(host=[1]), "host=[1] must map 'P U C order' to seconds"),
+    (lambda r: r.update(host={"8 1": 1.0}), "host key '8 1' must be 'P U C order'"),
+    (lambda r: r.update(host={"8 1 2 team-major": -1.0}), "host['8 1 2 team-major']=-1.0 must be a finite"),
 ])
 def test_bad_profiles_name_the_field(edit, message):
     raw = _raw()
@@ -91,8 +113,16 @@ def test_where_auto_reads_a_profile(tmp_path, monkeypatch):
     assert profile_path(None) == path and profile_path("given.json") == "given.json"
     assert cfg.topology(8).profile == load(path)
     assert WallFacerConfig(profile=path).topology(8).profile == load(path)
-    with pytest.raises(ValueError, match=r"wallfacer profile '/nope\.json' cannot be read"):
+    with pytest.raises(ValueError, match=r"wallfacer profile '/nope\.json': must be a readable regular JSON "
+                                         r"file \(no such file\)"):
         WallFacerConfig(profile="/nope.json")
-    (tmp_path / "bad.json").write_text("{")
-    with pytest.raises(ValueError, match="is not JSON"):
-        WallFacerConfig(profile=str(tmp_path / "bad.json"))
+    bad = tmp_path / "bad.json"
+    for text, rule in (("{", "not valid JSON: Expecting property name"),
+                       ('{"overlap": NaN}', "NaN is not JSON"), ('{"a": 1, "a": 2}', "duplicate key 'a'"),
+                       ("[]", "the top level must be a JSON object")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(f"wallfacer profile '{bad}': {rule}")):
+            WallFacerConfig(profile=str(bad))
+    with pytest.raises(ValueError, match=re.escape(f"wallfacer profile '{tmp_path}': must be a readable "
+                                                   f"regular JSON file, not a directory")):
+        WallFacerConfig(profile=str(tmp_path))

@@ -88,9 +88,9 @@ def rows_for(cfg: Config) -> tuple[str, ...]:
     return ("DeepSpeed MoE", "parm deepspeed", "parm s1", "parm s2", "parm auto")
 
 
+@moe_layer.in_layout
 def _rank_picks(cfg: Config, cost_cache: str | None) -> dict:
     """auto's pick for one cell, untimed: its set-up fits (or reads ``cost_cache``), one step picks."""
-    moe_layer._setup(cfg)
     torch.manual_seed(100 + dist.get_rank() // cfg.tp)
     x = torch.randn(cfg.tokens, cfg.hidden, requires_grad=True)
     layer = moe_layer._layer("parm auto", cfg, cost_cache)
@@ -99,10 +99,10 @@ def _rank_picks(cfg: Config, cost_cache: str | None) -> dict:
             "fitted": {key: selector._to_tensor(c).tolist() for key, c in selector._fitted.items()}}
 
 
+@moe_layer.in_layout
 def _rank_cell(cfg: Config, iters: int, warmup: int, cost_cache: str | None = None) -> dict:
     """One cell on this rank: every row's wall seconds per round (slowest rank: a barrier ends each step),
     then one more step of each under the ledger for its collective calls and bytes."""
-    moe_layer._setup(cfg)
     torch.manual_seed(100 + dist.get_rank() // cfg.tp)
     x = torch.randn(cfg.tokens, cfg.hidden, requires_grad=True)
     go = torch.randn(cfg.tokens, cfg.hidden)

@@ -8,8 +8,8 @@ V = E·C_buf·M. Wire volumes per rank (forward; the backward mirrors them, §2.
                (ESP = 1 with MP > 1: A2A(ep) 2·(V/N)(p-1)/p, AG(mp) V(N-1)/N, DeepSpeed's drop/gather)
     s2         A2A(ep) 2·(V/N)(p-1)/p        AG(esp) + RS(esp) 2·V(N-1)/N      AG(mp) V(N-1)/N
     s1         A2A(ep) 2·V₁(p-1)/p           AG(esp) + RS(esp) 2·V₁(N-1)       AG(mp) S·M(N-1)/N
-               + AG(mp) of the logits S·E·4(N-1)/N (forward only)
-               (V₁ = E·C₁·M, C₁ ≈ C/N: the most routes one block of S/N tokens sends one expert)
+               (V₁ = E·C₁·M, C₁ ≈ C/N: the most routes one block of S/N tokens sends one expert; the gate
+               on all S tokens on every MP rank, as DeepSpeed's: no logits to gather)
 
 plus, with ``skip_empty_slots`` (the default), the fill counts that let the experts skip the empty slots
 (ds_plugins.overlap), each EP peer's with this rank's header (ds_plugins.agreement.HEADER int32 words):
@@ -17,14 +17,13 @@ A2A(ep) W·(p-1)/p and AG(esp) W·(s-1) bytes, W = (E + p·HEADER)·4, forward o
 the F rows that hold a token instead of all of them (F ≤ k·S·p·s/E rows per expert where the slots number
 p·s·C_buf; "deepspeed" all-reduces F·M per expert, not C·p·M); the exchanges keep their fixed sizes.
 
-And the agreement on sizes (ds_plugins.agreement), forward only: S and the training flag before routing
-(AR(mp) of 4 int64, AR(ep) of 6), except where the forward is sync-free (:func:`sync_free`: S2 and
-"deepspeed" in drop mode with the fill counts and ESP = MP or no MP), whose headers carry them; and where
-the capacity depends on the routes (no token dropping; always in S1) the capacity after routing (AR(mp) of
-2 int64, AR(ep) of 3), except in S1 with the fill counts and ESP = MP or no MP, whose headers carry it.
-The headers are checked in every forward that sends them, the route hashes of S2 and "deepspeed" included:
-MP ranks that route differently raise on every rank instead of mixing their slices (S2) or all-reducing
-rows of different sizes ("deepspeed").
+And the agreement on sizes (ds_plugins.agreement), forward only: none where the forward is sync-free
+(:func:`sync_free`: every fixed schedule, and "auto" in drop mode, with the fill counts and ESP = MP or no
+MP), whose headers carry S, the mode and the capacity; elsewhere S and the training flag before routing
+(AR(mp) of 4 int64, AR(ep) of 6) and, where the capacity depends on the routes (no token dropping; always
+in S1), the capacity after routing (AR(mp) of 2 int64, AR(ep) of 3). The headers are checked in every
+forward that sends them, the route hashes included: MP ranks that route differently raise on every rank
+instead of mixing their slices (S2, S1) or all-reducing rows of different sizes ("deepspeed").
 
 Every schedule routes exactly as DeepSpeed's gate on all S tokens (ds_plugins.routing) and returns
 ``(output [S, M] replicated over MP, l_aux, exp_counts)``.

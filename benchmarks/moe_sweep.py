@@ -272,13 +272,20 @@ def run(configs: list[Config], iters: int, warmup: int, json_path: str | None = 
     with World(4, timeout=7200) as world:
         for cfg in configs:
             res = world.run(_rank_cell, cfg, iters, warmup, cost_cache, timeout=3600)[0]
-            results.append(summarize(cfg, res) | {"raw": {r: v["ms"] for r, v in res.items()}})
-            print(_line(results[-1]) + f"   load {_load()}", flush=True)
+            load = _load()
+            results.append(summarize(cfg, res) | {"raw": {r: v["ms"] for r, v in res.items()}, "load": load})
+            print(_line(results[-1]) + f"   load {load}", flush=True)
+            if json_path:    # every cell as it comes: a run cut short (the machine's load) keeps its cells
+                _write(json_path, None, results)
     summary = report(results, (load_before, _load()), time.perf_counter() - t0)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"summary": summary, "cells": results}, f, indent=1)
+        _write(json_path, summary, results)
     return summary
+
+
+def _write(path: str, summary: dict | None, results: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump({"summary": summary, "cells": results}, f, indent=1)
 
 
 def picks(configs: list[Config], cost_cache: str | None) -> list[dict]:

@@ -162,7 +162,8 @@ def _reason(c: dict) -> str:
         return text + " (more bytes)"
     if calls["parm"] > calls["ds"]:
         return text + (f" (as many bytes or fewer in {calls['parm'] - calls['ds']} more calls: latency; "
-                       "without chunks these are the size agreement and the fill counts)")
+                       "without chunks the fill counts' exchange, and off the sync-free path the size "
+                       "agreement)")
     return text + " (fewer calls and bytes: local work, or the load's noise)"
 
 

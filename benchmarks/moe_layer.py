@@ -28,6 +28,7 @@ DeepSpeed's tensor-parallel token gather needs a shim (design/traps.md).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -65,13 +66,15 @@ ROWS = ("DeepSpeed MoE", "parm deepspeed", "parm deepspeed" + ALL_SLOTS, "parm s
 
 
 def _gloo_gather_tokens(input_, dim=0):
-    """DeepSpeed's ``_gather_tokens`` with a ``[tp·d0, ...]`` buffer: gloo rejects its flat one."""
+    """DeepSpeed's ``_gather_tokens`` with a ``[tp·d0, ...]`` buffer: gloo rejects its flat one. It reads the
+    mpu through DeepSpeed's bwc helpers, as the original does, so any mpu DeepSpeed accepts works here."""
     from deepspeed.utils import groups
+    from deepspeed.utils.bwc import bwc_tensor_model_parallel_group, bwc_tensor_model_parallel_world_size
 
-    tp = groups.mpu.get_tensor_model_parallel_world_size()
+    tp = bwc_tensor_model_parallel_world_size(groups.mpu)
     input_ = input_.contiguous()
     buf = input_.new_empty((tp * input_.shape[0], *input_.shape[1:]))
-    dist.all_gather_into_tensor(buf, input_, group=groups.mpu.get_tensor_model_parallel_group())
+    dist.all_gather_into_tensor(buf, input_, group=bwc_tensor_model_parallel_group(groups.mpu))
     return torch.cat(buf.chunk(tp), dim=dim).contiguous()
 
 
@@ -158,11 +161,59 @@ def _compute_only(layer, x, go) -> None:
 
 
 _MPUS: dict[int, object] = {}
+_EXPERT_DICTS = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS")
+_MADE: dict[tuple[int, int], dict] = {}  # (tp, ep) -> the expert groups DeepSpeed's MoE made for it, reused
 
 
+def in_layout(rank_fn):
+    """Run ``rank_fn(cfg, ...)`` with DeepSpeed's process-wide MoE state set for ``cfg``'s layout (its mpu,
+    expert-TP size, expert groups, the gloo token gather) and put back as it was afterwards.
+
+    A rank process outlives one call: the test worlds run DeepSpeed's own engine after a benchmark, and a
+    pipeline engine installs its grid as ``groups.mpu``; this module's gather left installed met that grid
+    there (issue 23's order-dependent failure). The groups made for a layout are kept and reinstalled on the
+    next call of that layout, so a sweep creates each process group once."""
+
+    @functools.wraps(rank_fn)
+    def run(cfg: Config, *args, **kwargs):
+        import deepspeed
+        from deepspeed.moe import mappings
+        from deepspeed.utils import groups
+
+        from ds_plugins.groups import ModelParallelUnit
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        name, key = f"ep_size_{cfg.ep}", (cfg.tp, cfg.ep)
+        saved = (groups.mpu, groups.expert_tensor_parallel_world_size, mappings._gather_tokens,
+                 {d: dict(getattr(groups, d)) for d in _EXPERT_DICTS})
+        made = _MADE.setdefault(key, {})
+        for d in _EXPERT_DICTS:
+            table = getattr(groups, d)
+            table.pop(name, None)  # another layout's groups of the same name (a pipeline's per stage)
+            if d in made:
+                table[name] = made[d]
+        mappings._gather_tokens = _gloo_gather_tokens
+        if cfg.tp > 1 and cfg.tp not in _MPUS:
+            _MPUS[cfg.tp] = ModelParallelUnit(cfg.tp)
+        groups.mpu = _MPUS.get(cfg.tp)
+        groups.expert_tensor_parallel_world_size = cfg.tp
+        try:
+            return rank_fn(cfg, *args, **kwargs)
+        finally:
+            groups.mpu, groups.expert_tensor_parallel_world_size, mappings._gather_tokens, tables = saved
+            for d in _EXPERT_DICTS:
+                table = getattr(groups, d)
+                if name in table:
+                    made[d] = table[name]
+                table.clear()
+                table.update(tables[d])
+    return run
+
+
+@in_layout
 def _rank_outputs(cfg: Config, rows: tuple[str, ...]) -> dict:
     """Every row's output and input gradient for one batch: the rows compute the same function."""
-    _setup(cfg)
     torch.manual_seed(100 + dist.get_rank() // cfg.tp)
     x = torch.randn(cfg.tokens, cfg.hidden, requires_grad=True)
     go = torch.randn(cfg.tokens, cfg.hidden)
@@ -175,23 +226,8 @@ def _rank_outputs(cfg: Config, rows: tuple[str, ...]) -> dict:
     return out
 
 
-def _setup(cfg: Config) -> None:
-    import deepspeed
-    from deepspeed.moe import mappings
-    from deepspeed.utils import groups
-
-    from ds_plugins.groups import ModelParallelUnit
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    mappings._gather_tokens = _gloo_gather_tokens
-    if cfg.tp > 1 and cfg.tp not in _MPUS:
-        _MPUS[cfg.tp] = ModelParallelUnit(cfg.tp)
-    groups.mpu = _MPUS.get(cfg.tp)
-    groups.expert_tensor_parallel_world_size = cfg.tp
-
-
+@in_layout
 def _rank_bench(cfg: Config, rows: tuple[str, ...], iters: int, warmup: int) -> dict:
-    _setup(cfg)
     world = dist.group.WORLD
     torch.manual_seed(100 + dist.get_rank() // cfg.tp)
     dtype = DTYPES[cfg.dtype]
@@ -230,10 +266,10 @@ def _rank_bench(cfg: Config, rows: tuple[str, ...], iters: int, warmup: int) -> 
 EVAL_ROWS = ("DeepSpeed MoE", "parm deepspeed", "parm s1", "parm s2", "parm auto")
 
 
+@in_layout
 def _rank_eval(cfg: Config, rows: tuple[str, ...], iters: int, warmup: int) -> dict:
     """Eval forward of every row: ``layer.eval()`` under ``torch.inference_mode()`` (the eval capacity factor
     is the training one here), rows interleaved, the slowest rank's wall time."""
-    _setup(cfg)
     world = dist.group.WORLD
     torch.manual_seed(100 + dist.get_rank() // cfg.tp)
     x = torch.randn(cfg.tokens, cfg.hidden, dtype=DTYPES[cfg.dtype])

@@ -88,9 +88,9 @@ def rows_for(cfg: Config) -> tuple[str, ...]:
     return ("DeepSpeed MoE", "parm deepspeed", "parm s1", "parm s2", "parm auto")
 
 
+@moe_layer.in_layout
 def _rank_picks(cfg: Config, cost_cache: str | None) -> dict:
     """auto's pick for one cell, untimed: its set-up fits (or reads ``cost_cache``), one step picks."""
-    moe_layer._setup(cfg)
     torch.manual_seed(100 + dist.get_rank() // cfg.tp)
     x = torch.randn(cfg.tokens, cfg.hidden, requires_grad=True)
     layer = moe_layer._layer("parm auto", cfg, cost_cache)
@@ -99,10 +99,10 @@ def _rank_picks(cfg: Config, cost_cache: str | None) -> dict:
             "fitted": {key: selector._to_tensor(c).tolist() for key, c in selector._fitted.items()}}
 
 
+@moe_layer.in_layout
 def _rank_cell(cfg: Config, iters: int, warmup: int, cost_cache: str | None = None) -> dict:
     """One cell on this rank: every row's wall seconds per round (slowest rank: a barrier ends each step),
     then one more step of each under the ledger for its collective calls and bytes."""
-    moe_layer._setup(cfg)
     torch.manual_seed(100 + dist.get_rank() // cfg.tp)
     x = torch.randn(cfg.tokens, cfg.hidden, requires_grad=True)
     go = torch.randn(cfg.tokens, cfg.hidden)
@@ -162,7 +162,8 @@ def _reason(c: dict) -> str:
         return text + " (more bytes)"
     if calls["parm"] > calls["ds"]:
         return text + (f" (as many bytes or fewer in {calls['parm'] - calls['ds']} more calls: latency; "
-                       "without chunks these are the size agreement and the fill counts)")
+                       "without chunks the fill counts' exchange, and off the sync-free path the size "
+                       "agreement)")
     return text + " (fewer calls and bytes: local work, or the load's noise)"
 
 
@@ -272,13 +273,20 @@ def run(configs: list[Config], iters: int, warmup: int, json_path: str | None = 
     with World(4, timeout=7200) as world:
         for cfg in configs:
             res = world.run(_rank_cell, cfg, iters, warmup, cost_cache, timeout=3600)[0]
-            results.append(summarize(cfg, res) | {"raw": {r: v["ms"] for r, v in res.items()}})
-            print(_line(results[-1]) + f"   load {_load()}", flush=True)
+            load = _load()
+            results.append(summarize(cfg, res) | {"raw": {r: v["ms"] for r, v in res.items()}, "load": load})
+            print(_line(results[-1]) + f"   load {load}", flush=True)
+            if json_path:    # every cell as it comes: a run cut short (the machine's load) keeps its cells
+                _write(json_path, None, results)
     summary = report(results, (load_before, _load()), time.perf_counter() - t0)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"summary": summary, "cells": results}, f, indent=1)
+        _write(json_path, summary, results)
     return summary
+
+
+def _write(path: str, summary: dict | None, results: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump({"summary": summary, "cells": results}, f, indent=1)
 
 
 def picks(configs: list[Config], cost_cache: str | None) -> list[dict]:

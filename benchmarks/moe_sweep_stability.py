@@ -40,7 +40,7 @@ def _cells(path: str) -> tuple[dict, list[dict]]:
                g["tokens"])
         cells.append({"key": key, "pick": c.get("auto", c.get("schedule")), "predicted_ms": c["predicted_ms"],
                       "fitted": c["fitted"]})
-    return data.get("summary", {}), cells
+    return data.get("summary") or {}, cells          # None: a run cut short, its cells kept
 
 
 def _fitted(cells: list[dict]) -> dict[str, list[float]]:

@@ -26,11 +26,11 @@ error-only round that carries the refusing rank's message over MP, then EP (:fun
 it. :func:`settings` agrees once, at set-up, on the layer's arguments (the schedule, the sizes) in the same
 two hops.
 
-Where the fill counts travel anyway (``skip_empty_slots``), each rank's S, flag and route hash ride on them
-as a header (:data:`HEADER`, :func:`check_headers`): a fixed-size exchange every rank issues whatever its
-shape, so a forward of S2 or "deepspeed" in drop mode needs no agreement of its own
-(ds_plugins.schedules.sync_free) and reads the host once, and a rank whose shape changed still meets its
-peers in that exchange and raises with them.
+Where the fill counts travel anyway (``skip_empty_slots``), each rank's S, flag, route hash, capacity and
+schedule ride on them as a header (:data:`HEADER`, :func:`check_headers`): a fixed-size exchange every rank
+issues whatever its shape, so a forward of any schedule ("auto" in drop mode included) needs no agreement
+of its own (ds_plugins.schedules.sync_free) and reads the host once, and a rank whose shape changed still
+meets its peers in that exchange and raises with them.
 """
 
 from __future__ import annotations
@@ -124,15 +124,21 @@ def _check_counts(lo: int, hi: int, mp_differ: bool, modes_differ: bool, drop_to
 # (ds_plugins.overlap.FillExchange), the same words to each EP peer, which all-gathers what it received
 # over ESP:
 #     [S, training flag (0, 1, or _REFUSED), global rank, first global rank of its MP group, routes' hash,
-#      capacity]
+#      capacity, schedule (its index in ds_plugins.config.SCHEDULES), its MP rank]
 # After the A2A over EP and the AG over ESP = MP, rank r holds the headers of the EP groups of its MP
 # peers: in DeepSpeed's layouts that is every rank of the layer (the MP groups its EP groups meet, the
 # set the two-hop :func:`spread` covers), so every rank reaches the same verdict from the same words,
 # before any collective whose size depends on them. Where ESP = 1 < MP the AG is missing and a rank sees
 # its EP group's headers only: there :func:`tokens` agrees first (ds_plugins.schedules.sync_free).
-# The capacity word makes S1's capacity agreement (:func:`capacity`) unnecessary where the headers reach
-# every rank: the layer's capacity is the largest of them (ds_plugins.schedules.s1).
-HEADER = 6
+# The capacity word makes the capacity agreement (:func:`capacity`) unnecessary where the headers reach
+# every rank: the layer's capacity is the largest of them (S1's, the no-drop C; ds_plugins.schedules). The
+# schedule word: ranks that ran different schedules past the fill exchange would mix up their exchanges.
+# The MP rank: S2 exchanges the slots [lo, lo + r·c_r) of its MP rank's slice, and where the capacity rides
+# on the headers the sources send their whole fills before lo is known; the experts subtract each
+# source's lo (ds_plugins.overlap.FillExchange.rows).
+HEADER = 8
+LANE = 7
+"""The header word with the sender's MP rank."""
 _PRIME = 2**31 - 1
 
 
@@ -147,11 +153,11 @@ def route_hash(indices: torch.Tensor, locations: torch.Tensor) -> torch.Tensor:
 
 
 def header(num_tokens: int, training: bool, error: str | None, hashed: torch.Tensor | None, g: ParmGroups,
-           device: torch.device, capacity: int | torch.Tensor = 0) -> torch.Tensor:
+           device: torch.device, capacity: int | torch.Tensor = 0, schedule: str = "auto") -> torch.Tensor:
     """This rank's header, [HEADER] int32 on ``device``, built with scalar fills and device copies (kernel
     launches, no host-to-device copy that would wait for the stream). ``hashed``: :func:`route_hash` of
-    routes the MP ranks must share (S2, "deepspeed"), or None (S1, whose MP ranks route different tokens);
-    ``capacity``: this rank's (an int, or S1's 0-d device tensor)."""
+    the full-batch routes the MP ranks share, or None where no MP peer sees this header; ``capacity``:
+    this rank's (an int, or a 0-d device tensor: S1's, the no-drop C); ``schedule``: the one it runs."""
     rank = dist.get_rank()
     head = torch.zeros(HEADER, dtype=torch.int32, device=device)
     head[0] = num_tokens
@@ -160,7 +166,9 @@ def header(num_tokens: int, training: bool, error: str | None, hashed: torch.Ten
     head[3] = rank if g.mp is None else comm.global_rank(g.mp, 0)
     if hashed is not None:
         head[4:5] = hashed
-    head[5:] = capacity.reshape(1) if isinstance(capacity, torch.Tensor) else capacity
+    head[5:6] = capacity.reshape(1) if isinstance(capacity, torch.Tensor) else capacity
+    head[6] = SCHEDULES.index(schedule)
+    head[LANE] = g.mp_rank
     return head
 
 
@@ -169,7 +177,8 @@ def check_headers(heads: Sequence[Sequence[int]], g: ParmGroups, drop_tokens: bo
     """Raise on every rank that holds the same ``heads`` (the :data:`HEADER` words of the ranks it saw,
     host ints) what :func:`tokens` and :func:`capacity` raise, and a RuntimeError when two MP ranks of one
     group hashed different routes (they would exchange buffers of different sizes: "deepspeed"'s
-    all-reduce of the filled rows inside the experts aborts gloo). Returns the largest capacity.
+    all-reduce of the filled rows inside the experts aborts gloo) or ranks run different schedules.
+    Returns the largest capacity.
     Collective only when a rank refused (:func:`relay`)."""
     seen = {h[2]: h for h in heads}                                  # by global rank, each once
     if any(h[1] == _REFUSED for h in seen.values()):
@@ -180,6 +189,12 @@ def check_headers(heads: Sequence[Sequence[int]], g: ParmGroups, drop_tokens: bo
     counts = [h[0] for h in seen.values()]
     _check_counts(min(counts), max(counts), any(len({h[0] for h in hs}) > 1 for hs in by_mp.values()),
                   len({h[1] for h in seen.values()}) > 1, drop_tokens)
+    ran = {r: SCHEDULES[h[6]] for r, h in sorted(seen.items())}
+    if len(set(ran.values())) > 1:
+        raise RuntimeError(f"parm MoE: the ranks of this layer run different schedules ({ran} by global "
+                           "rank): every rank of a layer must take the same schedule ('auto' decides from "
+                           "the token count, the mode, the input dtype and the fitted costs: give every rank "
+                           "the same of each)")
     capacities = [h[5] for h in seen.values()]
     if any(len({h[5] for h in hs}) > 1 for hs in by_mp.values()):
         _routing_differs(f"capacities between {min(capacities)} and {max(capacities)}")

@@ -32,17 +32,17 @@ imbalanced gate drops more) and about 1/f of the slots for k·f > 1. Per local e
 
 plus, for S1 and S2, the forward exchange of the fill counts: A2A over EP of E int32 and AG over ESP.
 
-S1 gates the whole batch (ds_plugins.routing): the gate GEMM on its S/N tokens, an AG over MP of the
-logits [S, E], the gating's element-wise work on all S tokens; its buffer holds the most routes one block
-of S/N tokens sends one expert, min(k·S/E, C)/N in the balanced case.
+S1 gates the whole batch on every MP rank (ds_plugins.routing): the gate GEMM forward on all S tokens, its
+two backward GEMMs on the S/N of its block, the gating's element-wise work on all S tokens; its buffer
+holds the most routes one block of S/N tokens sends one expert, min(k·S/E, C)/N in the balanced case.
 
-The agreements on sizes (ds_plugins.agreement) are predicted as "auto" runs the schedules in drop mode
-with the fill counts (ds_plugins.schedules.sync_free): with MP, "auto" may run S1, so every schedule
-agrees on the token count before routing (tiny all-reduces over MP and EP, charged as their α, the EP one
-as an A2A of the same bytes, its latency class; the part "agree") and the capacity travels with the fill
-counts' headers; without MP its candidates, the deepspeed order and S2, carry the token count there too
-and agree on nothing else. The fill exchange (E + p·6 int32 per rank) is an A2A over EP and, in every
-schedule with ESP, an AG over ESP.
+The agreements on sizes (ds_plugins.agreement) are predicted as "auto" runs the schedules, in drop mode
+(ds_plugins.schedules.sync_free): with the fill counts and ESP = MP (or no MP) the token count and the
+capacity travel in the fill counts' headers and no schedule agrees on anything else; otherwise every
+schedule agrees on the token count before routing (tiny all-reduces over MP and EP, charged as their α,
+the EP one as an A2A of the same bytes, its latency class; the part "agree"), and S1 on its capacity
+too. The fill exchange (E + p·HEADER int32 per rank) is an A2A over EP and, in every schedule with ESP,
+an AG over ESP.
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ from dataclasses import dataclass, field, replace
 from commweave import cost
 from commweave.cost import AlphaBeta
 
+HEADER = 8
+"""int32 words of a rank's header on the fill counts: ds_plugins.agreement.HEADER (which imports the
+config, which imports this module; tests/ds_plugins/test_cost_model.py ties the two)."""
 OPS = ("a2a@ep", "ag@esp", "rs@esp", "ar@esp", "ag@mp", "ar@mp", "gemm", "mem", "route")
 """Collectives on n bytes; "gemm" on n flops; "mem" a strided copy of n bytes; "route" dispatch + combine,
 forward and backward, on n = (k·S + E·C)·M·b bytes: the token side (k routes of S tokens) plus the buffer."""
@@ -128,18 +131,27 @@ def _pad(c: int, multiple: int) -> int:
     return -(-c // multiple) * multiple
 
 
-def _gate(costs: OpCosts, sh: LayerShape, tokens: int, gated: int) -> float:
-    """Gate GEMM forward + backward (3 GEMMs) on ``tokens`` and its element-wise work on [gated, E] (about
-    60 passes: softmax, top-k, one-hot masks, cumulative sums, capacity selection, and their backwards)."""
-    return (3 * costs("gemm", 2 * tokens * sh.hidden * sh.experts)
-            + costs("mem", 60 * gated * sh.experts * 4))
+def _gate(costs: OpCosts, sh: LayerShape, backward_tokens: int) -> float:
+    """Gate GEMM forward on all S tokens, its two backward GEMMs on ``backward_tokens``, and its
+    element-wise work on [S, E] (about 60 passes: softmax, top-k, one-hot masks, cumulative sums, capacity
+    selection, and their backwards)."""
+    flops = 2 * sh.hidden * sh.experts
+    return (costs("gemm", flops * sh.tokens) + 2 * costs("gemm", flops * backward_tokens)
+            + costs("mem", 60 * sh.tokens * sh.experts * 4))
+
+
+def sync_free(sh: LayerShape) -> bool:
+    """The forward agrees on nothing of its own (ds_plugins.schedules.sync_free, drop mode): the fill
+    counts travel and their headers reach every rank (ESP = MP, or no MP)."""
+    return sh.skip_empty_slots and (sh.mp == 1 or sh.esp > 1)
 
 
 def _agree(costs: OpCosts, sh: LayerShape, rounds: int) -> float:
-    """``rounds`` agreements (ds_plugins.agreement): an AR of 2n int64 over MP, of 3n over EP."""
+    """``rounds`` agreements (ds_plugins.agreement) unless the forward is sync-free: an AR of 2n int64
+    over MP, of 3n over EP."""
     mp = costs("ar@mp", 2 * 2 * 8) if sh.mp > 1 else 0.0
     ep = costs("a2a@ep", 3 * 2 * 8) if sh.ep > 1 else 0.0
-    return rounds * (mp + ep)
+    return 0.0 if sync_free(sh) else rounds * (mp + ep)
 
 
 def _route(costs: OpCosts, sh: LayerShape, tokens: int, capacity: int) -> float:
@@ -164,10 +176,10 @@ def _experts(costs: OpCosts, sh: LayerShape, rows: float) -> float:
 
 
 def _fills(costs: OpCosts, sh: LayerShape) -> float:
-    """The forward exchange of the fill counts with the headers, (E + p·6) int32 (with skipping)."""
+    """The forward exchange of the fill counts with the headers, (E + p·HEADER) int32 (with skipping)."""
     if not sh.skip_empty_slots:
         return 0.0
-    words = 4 * (sh.experts + sh.ep * 6)
+    words = 4 * (sh.experts + sh.ep * HEADER)
     return (costs("a2a@ep", words) if sh.ep > 1 else 0.0) + \
         (costs("ag@esp", words * sh.esp) if sh.esp > 1 else 0.0)
 
@@ -205,21 +217,20 @@ def predict(schedule: str, sh: LayerShape, costs: OpCosts) -> Breakdown:
         chunks = max(1, min(sh.chunks, c1))
         cb = _pad(c1, chunks)
         v = e * cb * m * b
-        out.add("gate", _gate(costs, sh, mine, sh.tokens))
-        out.add("agree", _agree(costs, sh, 1))
+        out.add("gate", _gate(costs, sh, mine))
+        out.add("agree", _agree(costs, sh, 2))           # the token count, then the capacity
         out.add("dispatch+combine", _route(costs, sh, mine, cb))
         out.add("exchanges", _exchanges(costs, sh, v, chunks, mp_split=False) + _fills(costs, sh))
         out.add("experts", _experts(costs, sh, expert_rows(sh, mine, cb, False, sh.skip_empty_slots)))
         if n > 1:
             rows = n * mine * m * b                      # the MP all-gather of S·M (padded blocks)
             pad = 0 if sh.tokens % n == 0 else 4 * costs("mem", rows)
-            out.add("mp", 2 * costs("ag@mp", rows) + pad + costs("ag@mp", n * mine * e * 4)
-                    + costs("ar@mp", e * m * 4))
+            out.add("mp", 2 * costs("ag@mp", rows) + pad + costs("ar@mp", e * m * 4))
         return out
     c = sh.capacity(sh.tokens)
-    out.add("gate", _gate(costs, sh, sh.tokens, sh.tokens))
+    out.add("gate", _gate(costs, sh, sh.tokens))
     if schedule in ("s2", "deepspeed"):
-        out.add("agree", _agree(costs, sh, 1 if sh.mp > 1 else 0))
+        out.add("agree", _agree(costs, sh, 1))
     if schedule == "s2":
         chunks = max(1, min(sh.chunks, math.ceil(c / n)))
         cb = _pad(c, n * chunks)

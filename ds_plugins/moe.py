@@ -162,6 +162,8 @@ class ParmMoE(MoE):
         with moe_timers.timed(self.deepspeed_moe, MOE_TIMER):
             error = error and f"ParmMoE.forward: {error}"
             if sync_free(self):      # the sizes are checked on the fill exchange's headers instead
+                if self.schedule == "auto":    # fitted at set-up; switched to "auto" since: fit on every
+                    selector.fit(self)         # rank here, before a refusal's exchange
                 if error:
                     refuse(self, error)
                 tokens = x.shape[0]

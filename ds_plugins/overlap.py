@@ -27,14 +27,15 @@ local expert j) holds tokens in its first
 
     rows[i, q, p', j] = clamp(fill_e - lo - i·c_r, 0, c_r)        (fill_e, lo: those of the block's source)
 
-slots. :class:`FillExchange` sends every source's fill - lo to the experts along the blocks' own path,
-an A2A over EP then an AG over ESP of E int32, each EP peer's with the sender's header (ds_plugins.agreement:
+slots. :class:`FillExchange` sends every source's fill to the experts along the blocks' own path, an A2A
+over EP then an AG over ESP of E int32, each EP peer's with the sender's header (ds_plugins.agreement:
 W = (E + p·HEADER)·4 bytes, wire W·(p-1)/p + W·(s-1) per rank, forward only: the backward reuses the rows),
-which holds for any group layout and for S1, whose MP ranks route different tokens. It is the forward's one
-read of device data to the host (one copy, the headers in it). The experts then run on their F_j filled
-rows only; the empty slots of the returned buffer are zeros (combine never reads them; the reduce-scatter
-sums them). Without skipping, every slot counts as filled (:meth:`Rows.every`) and the experts see all
-E_l·r·s·p·c_r rows, as DeepSpeed's do.
+which holds for any group layout and for S1, whose MP ranks send different blocks; the receiver subtracts
+each source's lo (:meth:`FillExchange.rows`), so the fill can travel before the layout is known. It is the
+forward's one read of device data to the host (one copy, the headers in it). The experts then run on their
+F_j filled rows only; the empty slots of the returned buffer are zeros (combine never reads them; the
+reduce-scatter sums them). Without skipping, every slot counts as filled (:meth:`Rows.every`) and the
+experts see all E_l·r·s·p·c_r rows, as DeepSpeed's do.
 
 The two exchanges are each other's autograd dual: the backward of to_experts is from_experts (A2A <-> A2A,
 AG <-> RS, keeping the filled rows <-> putting them back with zeros, and the S2 split's AG over MP), the
@@ -51,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from commweave import comm
-from ds_plugins.agreement import HEADER
+from ds_plugins.agreement import HEADER, LANE
 from ds_plugins.groups import ParmGroups
 
 
@@ -116,7 +117,7 @@ class FillExchange:
     what arrived over ``gather`` (the ESP group, or None) in :meth:`read`, which copies it all to the host
     in one read: the only one of a sync-free forward (ds_plugins.schedules.sync_free).
 
-    fill: [E] int32 on the device, relative to the slots this rank sends (fill - lo); head: [HEADER] int32,
+    fill: [E] int32 on the device, each expert's filled prefix of this rank's buffer; head: [HEADER] int32,
     sent to every EP peer. Sizes E + p·HEADER words whatever the token count, so ranks whose shapes differ
     still meet in the same collectives and learn it from the headers.
     """
@@ -140,18 +141,27 @@ class FillExchange:
             comm.all_gather(got, self.recv, self.gather)        # [s, p, E_l + HEADER]: every ESP peer's
         host = got.tolist()                                     # the one copy to the host
         e_l = len(host[0][0]) - HEADER
+        self.lanes = [[row[e_l + LANE] for row in peer] for peer in host]   # each source's MP rank
         return [row[e_l:] for peer in host for row in peer], [[row[:e_l] for row in peer] for peer in host]
 
     def rows(self, counts: list, lay: Layout) -> Rows:
-        """The layout's filled rows from the counts :meth:`read` returned. A layout without ESP whose counts
-        were gathered over it anyway ("deepspeed": its experts all-reduce over ESP, and the headers must
-        reach every rank of the layer) keeps its own: its ESP peers received the same (the headers' route
-        hashes say so)."""
-        if len(counts) != lay.groups.esp_size:
-            counts = [counts[comm.rank(self.gather)]]
-        c_r = lay.chunk_slots
-        blocks = [[[[min(max(f - i * c_r, 0), c_r) for f in row] for row in peer] for peer in counts]
-                  for i in range(lay.chunks)]
+        """The layout's filled rows from the counts :meth:`read` returned (each source's whole fill_e).
+
+        S2 (``lay.mp_split``) exchanges the slots [lo, lo + r·c_r) of its MP rank q's slice, lo = q·r·c_r:
+        the fill of each source, less its lo (its MP rank rides in its header), so that the fill can
+        travel before the layout is known (a capacity agreed on the headers). A layout without ESP whose
+        counts were gathered over it anyway ("deepspeed": its experts all-reduce over ESP, and the
+        headers must reach every rank of the layer) keeps its own: its ESP peers received the same (the
+        headers' route hashes say so)."""
+        g, c_r = lay.groups, lay.chunk_slots
+        lanes = self.lanes
+        if len(counts) != g.esp_size:
+            mine = comm.rank(self.gather)
+            counts, lanes = [counts[mine]], [lanes[mine]]
+        span = lay.chunks * c_r if lay.mp_split else 0
+        blocks = [[[[min(max(f - q * span - i * c_r, 0), c_r) for f in row]
+                    for q, row in zip(lane, peer, strict=True)]
+                   for lane, peer in zip(lanes, counts, strict=True)] for i in range(lay.chunks)]
         return Rows(blocks, c_r, self.recv.device)
 
 

@@ -6,14 +6,18 @@ capacity all-reduce is not issued behind our back: the schedules agree on every 
 every group their collectives use (ds_plugins.agreement). It draws random numbers exactly as the gate
 does, so S2 and "deepspeed" route bit-identically to DeepSpeed's MoE from the same RNG state.
 
-S1 (:func:`route_shard`) computes the gate GEMM on its 1/N block of the tokens only, but gates the *whole*
-batch: it all-gathers the logits [S, E] over MP (S·E·4 bytes, E << M) and runs the same DeepSpeed gating
-function on them, then keeps its block's routes. So S1 keeps and drops exactly the routes DeepSpeed's gate
-keeps and drops on the full batch (capacity, RTS, Gumbel sampling, 'probs' drop policy alike), its l_aux
-and exp_counts are the full batch's, and every MP rank draws the full batch's random numbers (the
-'Jitter' noise [S, M] included): their RNG streams stay identical whatever S % N is. The logits'
-all-gather needs no reduction in the backward: the gating is replicated on the MP ranks, each holds the
-full gradient of its own rows (its combine's part and the l_aux part), and keeps it.
+S1 (:func:`route_shard`) gates the *whole* batch on every MP rank, as DeepSpeed's gate and S2 do: the gate
+GEMM on all S tokens (the MoE input is replicated over MP; the GEMM is S·M·E flops, small beside the
+experts' k·f·S·M·H·4), the same DeepSpeed gating function, then it keeps its block's routes. So the MP ranks
+hold bit-identical full-batch routes with no exchange (their route hash rides on the fill counts' headers,
+ds_plugins.agreement), S1 keeps and drops exactly the routes DeepSpeed's gate keeps and drops (capacity,
+RTS, Gumbel sampling, 'probs' drop policy alike), its l_aux and exp_counts are the full batch's, and every
+MP rank draws the full batch's random numbers (the 'Jitter' noise [S, M] included): their RNG streams stay
+identical whatever S % N is. Only the rows of its own block are differentiated on a rank (:class:`_Block`):
+each MP rank's combine covers its block's routes, so its gradient of those rows is complete (the combine's
+part and the l_aux part) and the others' are their ranks'. An earlier S1 ran the GEMM on its block and
+all-gathered the logits [S, E] over MP: a collective sized by S before the fill exchange, which kept S1
+and "auto" with MP from the sync-free forward (issue 23).
 
 The block's kept routes are renumbered per expert from slot 0 in DeepSpeed's slot order (:func:`shard`),
 so its buffer needs only the largest number of routes one block sends one expert, about C/N, not C.
@@ -48,10 +52,11 @@ from ds_plugins import collectives, moe_timers
 @dataclass
 class Routes:
     """Sparse routes of S tokens: ``indices`` [k, S] int32 (-1 = dropped), ``locations`` [k, S] int32,
-    ``gates`` [k, S] fp32; ``capacity`` is the gate's C (the buffer may be padded beyond it)."""
+    ``gates`` [k, S] fp32; ``capacity`` is the gate's C (the buffer may be padded beyond it): an int with
+    token dropping, without it the gate's 0-d tensor (the routes' largest expert count, not read)."""
 
     l_aux: torch.Tensor
-    capacity: int
+    capacity: int | torch.Tensor
     indices: torch.Tensor
     locations: torch.Tensor
     gates: torch.Tensor
@@ -88,51 +93,78 @@ def gating(gate: TopKGate, logits: torch.Tensor, used_token: torch.Tensor | None
 _DROP_CAPACITY: dict[tuple, int] = {}
 
 
-def _capacity(gate: TopKGate, capacity: torch.Tensor, logits_shape, cf: float) -> int:
-    """The gate's capacity as an int. With token dropping DeepSpeed computes it from the shape, k, the
-    capacity factor and min_capacity alone (``_capacity``, a CPU tensor), so it is read once per such key
-    and remembered: a steady-state forward reads no tensor for it. Without dropping it is the routes'."""
+def _capacity(gate: TopKGate, capacity, logits_shape, cf: float) -> int | torch.Tensor:
+    """The gate's capacity. With token dropping DeepSpeed computes it from the shape, k, the capacity
+    factor and min_capacity alone (``_capacity``, a CPU tensor), so it is read once per such key and
+    remembered as an int: a steady-state forward reads no tensor for it. Without dropping it is the routes'
+    (the largest expert count), returned as the gate's 0-d tensor, unread: the schedules agree on it over
+    the layer, on the fill counts' headers where they can (ds_plugins.schedules)."""
     if not gate.drop_tokens:
-        return int(capacity)
+        return capacity if isinstance(capacity, torch.Tensor) else torch.tensor(capacity)
     key = (gate.k, *logits_shape, cf, gate.min_capacity)
     if key not in _DROP_CAPACITY:
         _DROP_CAPACITY[key] = int(capacity)
     return _DROP_CAPACITY[key]
 
 
-def _jittered(gate: TopKGate, x32: torch.Tensor, tokens: int, rows: slice) -> torch.Tensor:
-    """'Jitter' in training: ``x32`` (rows ``rows`` of the S tokens) times those rows of the full batch's
-    noise [S, M], drawn as DeepSpeed draws it (the same random numbers whatever block a rank holds)."""
+def _noise(gate: TopKGate, x: torch.Tensor) -> torch.Tensor | None:
+    """'Jitter' in training: the full batch's multiplicative noise [S, M], drawn as DeepSpeed draws it."""
     if gate.noisy_gate_policy != "Jitter" or not gate.training:
-        return x32
-    noise = multiplicative_jitter(torch.ones(tokens, x32.shape[1], device=x32.device), device=x32.device)
-    return x32 * noise[rows]
+        return None
+    return multiplicative_jitter(torch.ones(x.shape, device=x.device), device=x.device)
 
 
 def route(gate: TopKGate, x: torch.Tensor, used_token: torch.Tensor | None = None) -> Routes:
     """Gate all S tokens of ``x`` [S, M]. Timed by the gate's 'topk_gate' timer when the engine's
     ``wall_clock_breakdown`` is on (ds_plugins.moe_timers), as :func:`route_shard` is."""
     with moe_timers.timed(gate, TOPK_GATE_TIMER):
-        x32 = _jittered(gate, x.float(), x.shape[0], slice(None))
+        x32, noise = x.float(), _noise(gate, x)
+        x32 = x32 if noise is None else x32 * noise
         return gating(gate, F.linear(x32, gate.wg.weight.float()), used_token)
 
 
-def route_shard(gate: TopKGate, x_l: torch.Tensor, tokens: int, used_token: torch.Tensor | None,
-                mp_group, mp_rank: int, mp_size: int) -> tuple[Routes, torch.Tensor]:
-    """S1: gate the S tokens of which this MP rank holds the block ``x_l`` (``torch.tensor_split`` order).
+class _Block(torch.autograd.Function):
+    """``F.linear(x32, weight)``: the logits [S, E] of every token from the GEMM DeepSpeed's gate runs (so
+    the MP ranks' logits are bit-identical), differentiated through rows [lo, lo + S_q) only, into this
+    rank's block ``x32_l`` (those rows of ``x32``, with the graph) and the weight (a partial sum over the
+    blocks: ``weight`` comes through an MP copy, all-reduced in the backward, parm.md §2.7).
 
-    Returns this block's routes (locations renumbered, see :func:`shard`) and the largest number of routes
-    any block sends one expert (the same on every MP rank), a 0-d int64 tensor on the device: S1 agrees on
-    it without reading it where its fill counts' headers carry it (ds_plugins.schedules.s1). The gate
-    weight goes through an MP copy: its gradient is a partial sum over the blocks, all-reduced over MP in
-    the backward (parm.md §2.7).
+    The backward GEMMs run in the forward's dtype, as autocast's would (bf16 logits: bf16 products, the
+    gradients cast back to the inputs' fp32)."""
+
+    @staticmethod
+    def forward(ctx, x32_l, weight, x32, lo: int):
+        ctx.save_for_backward(x32_l, weight)
+        ctx.lo = lo
+        return F.linear(x32, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x32_l, weight = ctx.saved_tensors
+        g = grad[ctx.lo: ctx.lo + x32_l.shape[0]]
+        return ((g @ weight.to(g.dtype)).to(x32_l.dtype), (g.t() @ x32_l.to(g.dtype)).to(weight.dtype),
+                None, None)
+
+
+def route_shard(gate: TopKGate, x: torch.Tensor, x_l: torch.Tensor, used_token: torch.Tensor | None,
+                mp_group, mp_rank: int, mp_size: int) -> tuple[Routes, torch.Tensor, Routes]:
+    """S1: gate the S tokens of ``x`` [S, M] (replicated over MP), of which this MP rank holds the block
+    ``x_l`` (``torch.tensor_split`` order, with the graph to ``x``): no collective.
+
+    Returns this block's routes (locations renumbered, see :func:`shard`), the largest number of routes
+    any block sends one expert (the same on every MP rank), a 0-d int64 tensor on the device that S1
+    agrees on without reading it (it rides on the fill counts' headers, ds_plugins.schedules.s1), and the
+    full-batch routes the MP ranks share (hashed into the headers).
     """
     with moe_timers.timed(gate, TOPK_GATE_TIMER):
-        lo = sum(collectives.row_blocks(tokens, mp_size)[:mp_rank])
-        x32 = _jittered(gate, x_l.float(), tokens, slice(lo, lo + x_l.shape[0]))
-        logits_l = F.linear(x32, collectives.copy_to(gate.wg.weight.float(), mp_group))    # [S/N, E]
-        logits = collectives.gather_rows(logits_l, mp_group, tokens)                      # [S, E]: AG(mp)
-        return _shard(gating(gate, logits, used_token), mp_rank, mp_size)
+        lo = sum(collectives.row_blocks(x.shape[0], mp_size)[:mp_rank])
+        x32, x32_l, noise = x.detach().float(), x_l.float(), _noise(gate, x)
+        if noise is not None:
+            x32, x32_l = x32 * noise, x32_l * noise[lo: lo + x_l.shape[0]]
+        weight = collectives.copy_to(gate.wg.weight.float(), mp_group)
+        full = gating(gate, _Block.apply(x32_l, weight, x32, lo), used_token)
+        mine, most = _shard(full, mp_rank, mp_size)
+        return mine, most, full
 
 
 def shard(r: Routes, q: int, n: int) -> tuple[Routes, int]:
@@ -177,11 +209,11 @@ def check_consistent(r: Routes, mp_group) -> None:
     if mp_group is None:
         return
     mine = torch.cat([r.indices.reshape(-1), r.locations.reshape(-1), r.gates.reshape(-1).view(torch.int32),
-                      torch.tensor([r.capacity], dtype=torch.int32, device=r.indices.device)])
+                      torch.as_tensor(r.capacity).to(r.indices.device, torch.int32).reshape(1)])
     every = mine.new_empty((comm.size(mp_group), mine.numel()))
     comm.all_gather(every, mine, mp_group)
     differ = [q for q in range(every.shape[0]) if not torch.equal(every[q], every[0])]
     if differ:
         raise RuntimeError(f"parm S2: routing differs across MP ranks (ranks {differ} of the MP group "
                            "disagree with rank 0): seed every MP rank's RNG identically before the MoE "
-                           "layer, or use schedule 's1'")
+                           "layer")

@@ -8,8 +8,8 @@ V = E·C_buf·M. Wire volumes per rank (forward; the backward mirrors them, §2.
                (ESP = 1 with MP > 1: A2A(ep) 2·(V/N)(p-1)/p, AG(mp) V(N-1)/N, DeepSpeed's drop/gather)
     s2         A2A(ep) 2·(V/N)(p-1)/p        AG(esp) + RS(esp) 2·V(N-1)/N      AG(mp) V(N-1)/N
     s1         A2A(ep) 2·V₁(p-1)/p           AG(esp) + RS(esp) 2·V₁(N-1)       AG(mp) S·M(N-1)/N
-               + AG(mp) of the logits S·E·4(N-1)/N (forward only)
-               (V₁ = E·C₁·M, C₁ ≈ C/N: the most routes one block of S/N tokens sends one expert)
+               (V₁ = E·C₁·M, C₁ ≈ C/N: the most routes one block of S/N tokens sends one expert; the gate
+               on all S tokens on every MP rank, as DeepSpeed's: no logits to gather)
 
 plus, with ``skip_empty_slots`` (the default), the fill counts that let the experts skip the empty slots
 (ds_plugins.overlap), each EP peer's with this rank's header (ds_plugins.agreement.HEADER int32 words):
@@ -17,14 +17,13 @@ A2A(ep) W·(p-1)/p and AG(esp) W·(s-1) bytes, W = (E + p·HEADER)·4, forward o
 the F rows that hold a token instead of all of them (F ≤ k·S·p·s/E rows per expert where the slots number
 p·s·C_buf; "deepspeed" all-reduces F·M per expert, not C·p·M); the exchanges keep their fixed sizes.
 
-And the agreement on sizes (ds_plugins.agreement), forward only: S and the training flag before routing
-(AR(mp) of 4 int64, AR(ep) of 6), except where the forward is sync-free (:func:`sync_free`: S2 and
-"deepspeed" in drop mode with the fill counts and ESP = MP or no MP), whose headers carry them; and where
-the capacity depends on the routes (no token dropping; always in S1) the capacity after routing (AR(mp) of
-2 int64, AR(ep) of 3), except in S1 with the fill counts and ESP = MP or no MP, whose headers carry it.
-The headers are checked in every forward that sends them, the route hashes of S2 and "deepspeed" included:
-MP ranks that route differently raise on every rank instead of mixing their slices (S2) or all-reducing
-rows of different sizes ("deepspeed").
+And the agreement on sizes (ds_plugins.agreement), forward only: none where the forward is sync-free
+(:func:`sync_free`: every fixed schedule, and "auto" in drop mode, with the fill counts and ESP = MP or no
+MP), whose headers carry S, the mode and the capacity; elsewhere S and the training flag before routing
+(AR(mp) of 4 int64, AR(ep) of 6) and, where the capacity depends on the routes (no token dropping; always
+in S1), the capacity after routing (AR(mp) of 2 int64, AR(ep) of 3). The headers are checked in every
+forward that sends them, the route hashes included: MP ranks that route differently raise on every rank
+instead of mixing their slices (S2, S1) or all-reducing rows of different sizes ("deepspeed").
 
 Every schedule routes exactly as DeepSpeed's gate on all S tokens (ds_plugins.routing) and returns
 ``(output [S, M] replicated over MP, l_aux, exp_counts)``.
@@ -54,36 +53,40 @@ def _layout(layer, capacity: int, mp_split: bool) -> overlap.Layout:
     return overlap.Layout(g, layer.num_experts, chunks, c_buf // (n * chunks), mp_split)
 
 
-def _expert_pass(layer, x: torch.Tensor, r: routing.Routes, lay, run=None, *, tokens: int | None = None,
-                 gather=None, shared_routes: bool = False, capacity: torch.Tensor | None = None):
+def _expert_pass(layer, x: torch.Tensor, r: routing.Routes, layout, capacity, schedule: str, run=None, *,
+                 tokens: int | None = None, gather=None, shared: routing.Routes | None = None):
     """dispatch -> exchange to the experts -> the experts on their filled rows -> exchange back -> combine.
 
-    ``lay``: the overlap.Layout, or (S1 with ``capacity``, this rank's 0-d device tensor) a function of the
-    layer's capacity, which the headers carry. ``run(xs)`` computes the local experts' partial sums
-    (default: ESP-sharded, no all-reduce inside). With ``skip_empty_slots`` the fill counts travel with
-    this rank's header (``tokens``, default S of ``x``; the route hash when ``shared_routes``), gathered
-    over ``gather`` (default the layout's ESP, that of the layer's groups), and the headers are checked
-    before the first exchange whose size depends on them.
+    ``layout(c)``: the overlap.Layout for the layer's capacity c; ``capacity``: this rank's, an int where it
+    is the same on every rank by construction (the drop-mode C), else a 0-d device tensor (S1's most routes
+    per block, the no-drop C): then the layer's (their largest) rides on the fill counts' headers where
+    they reach every rank, and the layout and the dispatch wait for the headers; elsewhere it is agreed
+    first (AR(mp), AR(ep)). ``run(xs)`` computes the local experts' partial sums (default: ESP-sharded, no
+    all-reduce inside). With ``skip_empty_slots`` the fill counts travel with this rank's header
+    (``tokens``, default S of ``x``; the hash of ``shared``, the routes the MP ranks must share;
+    ``schedule``), gathered over ``gather`` (default the layer's ESP), and the headers are checked before
+    the first exchange whose size depends on them.
     """
-    e, s = layer.num_experts, layer.parm_groups.esp_size
-    g = lay.groups if capacity is None else layer.parm_groups
+    g, e, s = layer.parm_groups, layer.num_experts, layer.parm_groups.esp_size
+    deferred = not isinstance(capacity, int) and layer.skip_empty_slots and _full_view(g)
+    if not isinstance(capacity, int) and not deferred:
+        capacity = agreement.capacity(int(capacity), g, x.device)
     fills = None
     if layer.skip_empty_slots:
-        lo = g.mp_rank * lay.chunks * lay.chunk_slots if capacity is None and lay.mp_split else 0
-        hashed = agreement.route_hash(r.indices, r.locations) if shared_routes else None
+        hashed = None if shared is None else agreement.route_hash(shared.indices, shared.locations)
         head = agreement.header(x.shape[0] if tokens is None else tokens, layer.gate.training, None, hashed,
-                                g, x.device, lay.capacity if capacity is None else capacity)
-        fills = overlap.FillExchange(routing.fill(r, e) - lo, head, g,                     # A2A(ep)
-                                     g.esp if gather is None else gather)
-    if capacity is None:                  # dispatch overlaps the fill counts' all-to-all
+                                g, x.device, capacity, schedule)
+        fills = overlap.FillExchange(routing.fill(r, e), head, g, g.esp if gather is None else gather)  # A2A
+    if not deferred:                      # dispatch overlaps the fill counts' all-to-all
+        lay = layout(capacity)
         buf = dispatch(x, r.indices, r.locations, e, lay.capacity)                # [E, C_buf, M]
     if fills is None:
         rows = overlap.Rows.every(lay, x.device)
     else:
         heads, counts = fills.read()                                              # AG(esp) of E int32
-        agreed = agreement.check_headers(heads, layer.parm_groups, layer.gate.drop_tokens)
-        if capacity is not None:
-            lay = lay(agreed)
+        agreed = agreement.check_headers(heads, g, layer.gate.drop_tokens)
+        if deferred:
+            lay = layout(agreed)
             buf = dispatch(x, r.indices, r.locations, e, lay.capacity)
         rows = fills.rows(counts, lay)
     with moe_timers.timed(layer.deepspeed_moe, FIRST_ALLTOALL_TIMER):
@@ -104,18 +107,22 @@ def sync_free(layer) -> bool:
     """Whether the layer's forward skips the token agreement (ds_plugins.agreement.tokens): its header
     travels with the fill counts instead, and is checked before any exchange whose size depends on it.
 
-    Safe where (1) every schedule the layer may run starts with the same fixed-size collectives, the fill
-    exchange: S2 and "deepspeed" do, S1 starts with its logits' all-gather sized by S (so a fixed
-    schedule, or "auto" without MP, whose candidates are "deepspeed" and S2); (2) the capacity is a function
-    of S and the mode alone (drop mode; without dropping it depends on the routes and is agreed after
-    routing); (3) the headers reach every rank of the layer: the fill exchange all-gathers over ESP = MP,
-    or there is no MP (with ESP = 1 < MP a rank sees its EP group's headers only); (4) the fill counts
-    travel at all (``skip_empty_slots``). The layer's settings are agreed at set-up, so every rank of it
+    Safe where (1) every schedule starts with the same fixed-size collectives, the fill exchange, after
+    routing, which issues none (S1 gates the whole batch on every MP rank, ds_plugins.routing; the debug
+    routing check all-gathers the routes, sized by S, so ``debug`` is off); (2) every rank of the layer
+    runs the same schedule whatever its shape: a fixed one, or "auto" in drop mode, where every rank must
+    hold the same S anyway (the headers raise otherwise; the header's schedule word catches the rest); in
+    no-drop mode the EP groups may hold different counts and "auto" decides from their largest, agreed
+    first; (3) the headers reach every rank of the layer: the fill exchange all-gathers over ESP = MP, or
+    there is no MP (with ESP = 1 < MP a rank sees its EP group's headers only); (4) the fill counts travel
+    at all (``skip_empty_slots``). A capacity that depends on the routes (S1's, the no-drop C) rides on
+    the headers too (:func:`_expert_pass`). The layer's settings are agreed at set-up, so every rank of it
     decides alike.
     """
     g = layer.parm_groups
-    options = selector.candidates(g) if layer.schedule == "auto" else (layer.schedule,)
-    return layer.skip_empty_slots and layer.gate.drop_tokens and "s1" not in options and _full_view(g)
+    chooses = layer.schedule == "auto" and len(selector.candidates(g)) > 1
+    return (layer.skip_empty_slots and not layer.debug and _full_view(g)
+            and (layer.gate.drop_tokens or not chooses))
 
 
 def refuse(layer, error: str) -> None:
@@ -134,18 +141,20 @@ def deepspeed(layer, x: torch.Tensor, used_token: torch.Tensor | None):
     r = routing.route(layer.gate, x, used_token)                                 # duplicated N×
     if layer.debug:
         routing.check_consistent(r, g.mp)
-    c = r.capacity if layer.gate.drop_tokens else agreement.capacity(r.capacity, g, x.device)
     if g.mp is not None and g.esp is None:
         # TP attention, unsharded experts: DeepSpeed then already dropped the MP duplicates before the A2A
         # and gathered after it (PR #2074, §2.1), in one piece: no chunks, nothing overlapped.
-        lay = overlap.Layout(g, e, 1, _pad(c, g.mp_size) // g.mp_size, mp_split=True)
-        return _expert_pass(layer, x, r, lay), r.l_aux, r.exp_counts
+        n = g.mp_size
+        out = _expert_pass(layer, x, r, lambda c: overlap.Layout(g, e, 1, _pad(c, n) // n, mp_split=True),
+                           r.capacity, "deepspeed")
+        return out, r.l_aux, r.exp_counts
     # Every MP rank sends its whole (duplicate) buffer over EP in one piece, and the ESP ranks' experts,
     # which thus receive the same rows, all-reduce their partial sums: A2A(ep) V, AR(esp) V.
-    ep_only = overlap.Layout(replace(g, esp=None, esp_size=1, esp_rank=0), e, 1, c, mp_split=False)
-    out = _expert_pass(layer, x, r, ep_only,
-                       lambda hs: experts.tensor_parallel(layer.local_experts, hs, g.esp, g.esp_size),
-                       gather=g.esp, shared_routes=g.esp is not None)
+    ep_only = replace(g, esp=None, esp_size=1, esp_rank=0)
+    out = _expert_pass(layer, x, r, lambda c: overlap.Layout(ep_only, e, 1, c, mp_split=False), r.capacity,
+                       "deepspeed", lambda hs: experts.tensor_parallel(layer.local_experts, hs, g.esp,
+                                                                       g.esp_size),
+                       gather=g.esp, shared=r if g.esp is not None else None)
     return out, r.l_aux, r.exp_counts
 
 
@@ -155,24 +164,18 @@ def s2(layer, x: torch.Tensor, used_token: torch.Tensor | None):
     r = routing.route(layer.gate, x, used_token)                                 # 1: duplicated N×
     if layer.debug:
         routing.check_consistent(r, g.mp)
-    c = r.capacity if layer.gate.drop_tokens else agreement.capacity(r.capacity, g, x.device)
-    lay = _layout(layer, c, mp_split=True)                                       # 2-8: split, A2A, AG, RS,
-    out = _expert_pass(layer, x, r, lay, shared_routes=g.esp is not None)        #      A2A, AG(mp); 9
-    return out, r.l_aux, r.exp_counts
+    out = _expert_pass(layer, x, r, lambda c: _layout(layer, c, mp_split=True), r.capacity, "s2",  # 2-8
+                       shared=r if g.esp is not None else None)                  # split, A2A, AG, RS, A2A,
+    return out, r.l_aux, r.exp_counts                                            # AG(mp); 9
 
 
 def s1(layer, x: torch.Tensor, used_token: torch.Tensor | None):
-    """S1 (§2.3): MP off before the gate (token split), on after combine (AG over MP)."""
+    """S1 (§2.3): MP off before the experts (token split), on after combine (AG over MP)."""
     g, tokens = layer.parm_groups, x.shape[0]
     x_l = collectives.split_rows(x, g.mp)                                        # 0: S -> S/N tokens
-    r, most = routing.route_shard(layer.gate, x_l, tokens, used_token, g.mp, g.mp_rank, g.mp_size)
-    if layer.skip_empty_slots and _full_view(g):                                 # 1: GEMM on S/N, gating on S
-        # the capacity rides on the fill counts' headers (sent from slot 0: no layout needed before)
-        out_l = _expert_pass(layer, x_l, r, lambda c: _layout(layer, c, mp_split=False), tokens=tokens,
-                             capacity=most)                                      # 2-7
-    else:
-        c = agreement.capacity(int(most), g, x.device)
-        out_l = _expert_pass(layer, x_l, r, _layout(layer, c, mp_split=False), tokens=tokens)
+    r, most, full = routing.route_shard(layer.gate, x, x_l, used_token, g.mp, g.mp_rank, g.mp_size)
+    out_l = _expert_pass(layer, x_l, r, lambda c: _layout(layer, c, mp_split=False), most, "s1",   # 1: gating
+                         tokens=tokens, shared=full if g.esp is not None else None)  # on S; 2-7
     return collectives.gather_rows(out_l, g.mp, tokens), r.l_aux, r.exp_counts   # 8: AG(mp), S·M
 
 

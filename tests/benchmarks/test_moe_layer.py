@@ -1,10 +1,53 @@
 """benchmarks.moe_layer compares like with like: every row computes the same layer (same gate, same
-experts, DeepSpeed's as tensor-parallel shards) and so the same output and input gradient."""
+experts, DeepSpeed's as tensor-parallel shards) and so the same output and input gradient; and a benchmark
+leaves DeepSpeed's process-wide state as it found it (the test worlds run DeepSpeed's engine after it)."""
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from benchmarks import moe_layer as bench
+
+
+class _SliceGrid:
+    """An mpu as DeepSpeed's PipelineParallelGrid names it: the tensor-parallel group is the 'slice'."""
+
+    def __init__(self, mpu) -> None:
+        self.mpu = mpu
+
+    def get_slice_parallel_world_size(self) -> int:
+        return self.mpu.get_tensor_model_parallel_world_size()
+
+    def get_slice_parallel_group(self):
+        return self.mpu.get_tensor_model_parallel_group()
+
+
+def _deepspeed_state() -> tuple:
+    from deepspeed.moe import mappings
+    from deepspeed.utils import groups
+
+    return (groups.mpu, groups.expert_tensor_parallel_world_size, mappings._gather_tokens,
+            [dict(getattr(groups, d)) for d in bench._EXPERT_DICTS])
+
+
+def _outputs_and_state(cfg, rows) -> tuple:
+    """The rows' outputs, whether DeepSpeed's state came back (a pipeline's grid and its ep_size_1 groups
+    installed before), and the benchmark's token gather through such a grid against a plain all-gather."""
+    import deepspeed
+    from deepspeed.utils import groups
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    groups.mpu, groups.expert_tensor_parallel_world_size = _SliceGrid(None), 1
+    groups._EXPERT_PARALLEL_GROUP["ep_size_1"] = "a pipeline stage's group"
+    before = _deepspeed_state()
+    outputs = bench._rank_outputs(cfg, rows)
+    kept = _deepspeed_state() == before
+    groups._EXPERT_PARALLEL_GROUP.pop("ep_size_1")
+    groups.mpu = grid = _SliceGrid(bench._MPUS[cfg.tp])
+    x = torch.arange(6.0).reshape(3, 2) + 10 * dist.get_rank()
+    parts = [torch.empty_like(x) for _ in range(cfg.tp)]
+    dist.all_gather(parts, x, group=grid.get_slice_parallel_group())
+    return outputs, kept, torch.equal(bench._gloo_gather_tokens(x, dim=1), torch.cat(parts, dim=1))
 
 
 @pytest.mark.world_size(4)
@@ -14,7 +57,8 @@ def test_rows_compute_the_same_layer(world):
     cfg = bench.Config(tokens=64, hidden=16, ffn=32, k=1, capacity_factor=8.0, chunks=2)
     rows = ("DeepSpeed MoE", "parm deepspeed", "parm s1", "parm s2", "parm auto", "parm s1" + bench.ALL_SLOTS,
             "parm s2" + bench.ALL_SLOTS)
-    for outputs in world.run(bench._rank_outputs, cfg, rows):
+    for outputs, kept, gathered in world.run(_outputs_and_state, cfg, rows):
+        assert kept and gathered
         want_y, want_dx = outputs["DeepSpeed MoE"]
         for row in rows[1:]:
             y, dx = outputs[row]

@@ -172,10 +172,12 @@ def _host_reads():
 def _steady_state() -> dict:
     cases = {"s2": ("s2", True, 2, 2), "deepspeed": ("deepspeed", True, 2, 2), "s1": ("s1", True, 2, 2),
              "auto": ("auto", True, 2, 2), "s2 all slots": ("s2", False, 2, 2), "s2 tp1": ("s2", True, 1, 4),
-             "deepspeed tp1": ("deepspeed", True, 1, 4)}
+             "deepspeed tp1": ("deepspeed", True, 1, 4), "s2 no-drop": ("s2", True, 2, 2, False),
+             "s1 no-drop": ("s1", True, 2, 2, False), "deepspeed no-drop": ("deepspeed", True, 2, 2, False),
+             "auto no-drop": ("auto", True, 2, 2, False)}
     out = {}
-    for name, (schedule, skip, tp, ep) in cases.items():
-        layer = _layer(schedule, skip=skip, tp=tp, ep=ep)
+    for name, (schedule, skip, tp, ep, *drop) in cases.items():
+        layer = _layer(schedule, skip=skip, tp=tp, ep=ep, drop=not drop)
         torch.manual_seed(dist.get_rank() // tp)
         x = torch.randn(S, M, requires_grad=True)
         for _ in range(2):
@@ -193,7 +195,7 @@ def _steady_state() -> dict:
     return out
 
 
-SYNC_FREE = {"s2", "deepspeed", "s2 tp1", "deepspeed tp1"}
+NOT_SYNC_FREE = {"s2 all slots", "auto no-drop"}  # no fill exchange; "auto" decides from the largest S
 EXCHANGES = {"all_to_all@ep", "all_gather@esp", "reduce_scatter@esp", "all_gather@mp", "all_reduce@esp"}
 
 
@@ -203,15 +205,15 @@ def test_steady_state_forward_issues_no_agreement_and_one_host_read(world):
         for name, got in res.items():
             if name == "deepspeed gate":
                 continue
-            assert got["sync_free"] == (name in SYNC_FREE), (rank, name)
+            assert got["sync_free"] == (name not in NOT_SYNC_FREE), (rank, name)
             agreements = {key: n for key, n in got["calls"].items() if key not in EXCHANGES}
-            if name in SYNC_FREE:
+            if name not in NOT_SYNC_FREE:
                 # 0 agreement collectives; 1 host read: the fill counts with the headers, which skipping
                 # the empty slots needs anyway; the route checks of dispatch and combine
                 assert agreements == {}, (rank, name, got)
                 assert got["reads"] == {"parm tolist overlap.py:read": 1, "route check": 2}, (rank, name, got)
             else:
-                # the token agreement; S1's capacity rides on the headers
+                # the token agreement; the capacity rides on the headers
                 assert agreements == {"all_reduce@mp": 1, "all_reduce@ep": 1}, (rank, name, got)
                 reads = {"parm tolist agreement.py:spread": 1, "route check": 2}
                 if name != "s2 all slots":
@@ -219,10 +221,10 @@ def test_steady_state_forward_issues_no_agreement_and_one_host_read(world):
                 assert got["reads"] == reads, (rank, name, got)
 
 
-def _changes(schedule: str) -> dict:
+def _changes(schedule: str, drop: bool) -> dict:
     """A sync-free layer in steady state, then one rank changes its input: each change must raise the same
     error on every rank (none hangs, no exchange of mismatched sizes), and the layer keeps working."""
-    layer = _layer(schedule)
+    layer = _layer(schedule, drop=drop)
     me = dist.get_rank()
 
     def x(tokens: int = S, hidden: int = M) -> torch.Tensor:     # the same input on the two MP ranks
@@ -238,6 +240,10 @@ def _changes(schedule: str) -> dict:
     errors["train/eval"] = _error(lambda: layer(x()))
     layer.train()
     errors["all change"] = _error(lambda: layer(x(S - 8)))                   # every rank: a new shape
+    if me == 0:
+        layer.schedule = "s2" if schedule == "s1" else "s1"
+    errors["schedules"] = _error(lambda: layer(x()))
+    layer.schedule = schedule
     with torch.no_grad():                                 # the odd MP ranks' gates favour expert 0
         layer.gate.wg.weight[0].add_(float(me % 2))
     errors["gate"] = _error(lambda: layer(x()))
@@ -246,20 +252,28 @@ def _changes(schedule: str) -> dict:
 
 
 @pytest.mark.world_size(4)
-def test_a_changed_shape_on_one_rank_raises_the_same_error_on_every_rank(world):
-    for schedule in ("s2", "deepspeed"):
-        per_rank = world.run(_changes, schedule)
+@pytest.mark.parametrize("drop", [True, False], ids=["drop", "no-drop"])
+def test_a_changed_shape_on_one_rank_raises_the_same_error_on_every_rank(world, drop):
+    for schedule in ("s2", "deepspeed", "s1") + (("auto",) if drop else ()):
+        per_rank = world.run(_changes, schedule, drop)
         for rank, res in enumerate(per_rank):
             assert res["sync_free"], (schedule, rank)
-            assert "drop_tokens=True every rank" in res["ep"] and "between 20 and 24" in res["ep"], res
+            if drop:
+                assert "drop_tokens=True every rank" in res["ep"] and "between 20 and 24" in res["ep"], res
+            else:                                         # EP groups may hold different token counts
+                assert res["ep"] == "no error", res
             assert "MP) ranks of this layer hold different token counts (between 24 and 25)" in res["mp"], res
             assert res["refused"].startswith("ValueError: rank 2: ParmMoE.forward: hidden_states has shape "
                                              "(24, 9)"), res
             assert "others in eval mode" in res["train/eval"], res
             assert res["all change"] == "no error", res
+            assert res["schedules"].startswith("RuntimeError: parm MoE: the ranks of this layer run "
+                                               "different schedules ({0: "), res
             # the deepspeed order with empty-slot skipping aborted gloo here ("Received data size doesn't
             # match"): the MP ranks' filled rows differ, so do their expert all-reduces' sizes
+            # (the hashes name the ranks; S1's per-block capacities, and the no-drop C, differ first)
+            why = "(ranks [0, 1, 2, 3]" if drop and schedule != "s1" else "(capacities between"
             assert res["gate"].startswith("RuntimeError: parm MoE: routing differs across the "
-                                          "tensor-parallel (MP) ranks of this layer (ranks [0, 1, 2, 3]"), res
+                                          f"tensor-parallel (MP) ranks of this layer {why}"), res
         assert len({str(res) for res in per_rank}) == 1, per_rank
     assert all(world.run(_healthy))

@@ -3,7 +3,7 @@
 import pytest
 
 from commweave.cost import AlphaBeta
-from ds_plugins import cost_model
+from ds_plugins import agreement, cost_model
 from ds_plugins.cost_model import CLUSTERS, LayerShape, OpCosts, cluster_costs, predict
 
 SHAPE = LayerShape(tokens=4096, hidden=1024, ffn=4096, experts=8, k=2, capacity_factor=1.25, mp=2, ep=2,
@@ -35,11 +35,20 @@ def test_s1_and_s2_charge_n_times_fewer_all_to_all_bytes():
     c, c1 = SHAPE.capacity(SHAPE.tokens), SHAPE.k * SHAPE.tokens // SHAPE.experts // SHAPE.mp
     assert base / _without_agreement("s1", SHAPE, a2a) == pytest.approx(SHAPE.mp * c / (c1 * SHAPE.mp))
     assert predict("ds-installed", SHAPE, a2a).total == pytest.approx(base / SHAPE.mp)
-    # the agreement as "auto" runs them with MP: one round (S) each, 48 bytes over EP (S1's capacity and,
-    # without MP, S itself travel with the fill counts' headers: ds_plugins.schedules.sync_free)
-    assert predict("s2", SHAPE, a2a).parts["agree"] == 48
-    assert predict("s1", SHAPE, a2a).parts["agree"] == 48
-    assert predict("s2", LayerShape(**{**SHAPE.__dict__, "mp": 1, "esp": 1}), a2a).parts.get("agree", 0) == 0
+    # the agreements: none where S and the capacity travel in the fill counts' headers, which reach every
+    # rank (ESP = MP, or no MP: ds_plugins.schedules.sync_free); without the fill counts one round (S) of
+    # 48 bytes over EP, and S1 a second (its capacity)
+    no_mp = LayerShape(**{**SHAPE.__dict__, "mp": 1, "esp": 1})
+    for schedule in ("s1", "s2", "deepspeed"):
+        assert predict(schedule, SHAPE, a2a).parts["agree"] == 0
+        assert predict(schedule, no_mp, a2a).parts.get("agree", 0) == 0
+    dense = LayerShape(**{**SHAPE.__dict__, "skip_empty_slots": False})
+    assert predict("s2", dense, a2a).parts["agree"] == predict("deepspeed", dense, a2a).parts["agree"] == 48
+    assert predict("s1", dense, a2a).parts["agree"] == 96
+
+
+def test_the_fill_exchange_is_charged_the_headers_the_code_sends():
+    assert cost_model.HEADER == agreement.HEADER
 
 
 def test_mp_all_gather_volume_decides_between_s1_and_s2():
@@ -67,9 +76,11 @@ def test_skipping_charges_the_experts_the_filled_rows_only():
     tight = LayerShape(**{**SHAPE.__dict__, "capacity_factor": 0.5})
     assert predict("s2", tight, gemm).total == \
         predict("s2", LayerShape(**{**tight.__dict__, "skip_empty_slots": False}), gemm).total
-    # the fill counts with this rank's header per EP peer: one A2A over EP of E + p·6 int32, forward only
-    assert predict("s2", SHAPE, _only("a2a@ep")).total - predict("s2", all_slots, _only("a2a@ep")).total == \
-        pytest.approx(4 * (SHAPE.experts + SHAPE.ep * 6))
+    # the fill counts with this rank's header per EP peer: one A2A over EP of E + p·HEADER int32, forward
+    # only (without them the token count is agreed instead: "agree")
+    a2a = _only("a2a@ep")
+    assert _without_agreement("s2", SHAPE, a2a) - _without_agreement("s2", all_slots, a2a) == \
+        pytest.approx(4 * (SHAPE.experts + SHAPE.ep * agreement.HEADER))
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS, ids=lambda c: c.name.split(":")[0])

@@ -22,8 +22,8 @@ from tests.ds_plugins.deepspeed_oracle import mlp
 from tests.ds_plugins.training import LayerSpec
 
 ALL = ("s1", "s2", "deepspeed", "auto")
-"""Every schedule routes as DeepSpeed's gate does on the full batch (S1 too: it gathers the logits over MP),
-so noise and binding capacities give DeepSpeed's losses with each of them."""
+"""Every schedule routes as DeepSpeed's gate does on the full batch (S1 too: it gates the whole batch on
+every MP rank), so noise and binding capacities give DeepSpeed's losses with each of them."""
 
 # S = 16 tokens, E = 8: capacity ceil(2·k·f); DeepSpeed's tensor-parallel MoE needs it even (it splits the
 # capacity over tp = 2).

@@ -17,7 +17,7 @@ LAYOUT = overlap.Layout(ALONE, E, CHUNKS, SLOTS, mp_split=False)
 
 
 def _rows(fills: list[int]) -> overlap.Rows:
-    head = torch.tensor([7, 1, 0, 0, 0, 6], dtype=torch.int32)
+    head = torch.tensor([7, 1, 0, 0, 0, 6, 2, 0], dtype=torch.int32)   # agreement.HEADER words
     exchange = overlap.FillExchange(torch.tensor(fills, dtype=torch.int32), head, ALONE, None)
     heads, counts = exchange.read()
     assert heads == [head.tolist()] and counts == [[fills]]   # p = s = 1: its own, header and counts

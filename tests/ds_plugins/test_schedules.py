@@ -231,7 +231,7 @@ def _formula(schedule: str, tp: int, ep: int, shard: bool, tokens: int, k: int, 
         add("all_reduce@mp", 2 * (2 * values * 8) * (n - 1) // n)
         add("all_reduce@ep", 2 * (3 * values * 8) * (p - 1) // p)
 
-    if not (skip and schedule != "s1" and (n == 1 or shard)):        # drop mode: sync-free otherwise
+    if not (skip and (n == 1 or shard)):                              # drop mode: sync-free otherwise
         agree(2)                                                      # S and the training flag
 
     if skip:                                                          # fill counts + header, int32, forward
@@ -247,8 +247,7 @@ def _formula(schedule: str, tp: int, ep: int, shard: bool, tokens: int, k: int, 
         add("all_to_all@ep", 4 * (v1 - v1 // p))                      # A2A fwd x2, bwd x2
         add("all_gather@esp", 2 * v1 * (s - 1))                       # AG fwd, RS's dual bwd
         add("reduce_scatter@esp", 2 * v1 * (s - 1))                   # RS fwd, AG's dual bwd
-        add("all_gather@mp", 2 * mine * M * b * (n - 1)               # AG of S·M fwd, split's dual bwd
-            + mine * E * F32 * (n - 1))                               # AG of the logits S·E, fwd
+        add("all_gather@mp", 2 * mine * M * b * (n - 1))              # AG of S·M fwd, split's dual bwd
         add("all_reduce@mp", 2 * (E * M * b) * (n - 1) // n)          # gate-weight gradient bwd
     elif schedule == "s2" or s == 1 < n:
         chunk = 1 if schedule == "deepspeed" else min(chunks, math.ceil(c / n))

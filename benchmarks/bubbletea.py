@@ -134,7 +134,8 @@ def bench_rank(cfg: dict) -> dict:
         spec = split(lm, stages)[stage]
         pipeline = pipeline_setup(stage, stages, "127.0.0.1", shared_key(dist.group.WORLD))
     server = PrefillServer(spec, cfg["chunk"], callback=lambda r: loop(r), guard=cfg["guard_ms"] / 1e3,
-                           nice=cfg["prefill_nice"], idle=cfg["prefill_idle"], pipeline=pipeline)
+                           nice=cfg["prefill_nice"], idle=cfg["prefill_idle"], pipeline=pipeline,
+                           tail_quantile=cfg["tail_quantile"] or None)
     if cfg["pipelined"]:
         from launch.bubbletea.pipelined import link_stages
 
@@ -350,7 +351,9 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
           f"training {cfg['layers']} x Linear({cfg['hidden']}) + Tanh, {cfg['micro_batches']} micro-batches "
           f"of {cfg['batch']}; prefill {model_name(cfg)}, prompts of "
           f"{cfg['prompt']} tokens in chunks of {cfg['chunk']}, {cfg['outstanding']} queued per rank, "
-          f"guard {cfg['guard_ms']:g} ms; nice: training {cfg['nice']}, prefill {cfg['prefill_nice']}"
+          f"guard {cfg['guard_ms']:g} ms, start rule on the "
+          + (f"p{100 * cfg['tail_quantile']:g} cost" if cfg["tail_quantile"] else "mean cost")
+          + f"; nice: training {cfg['nice']}, prefill {cfg['prefill_nice']}"
           + (" + SCHED_IDLE" if cfg["prefill_idle"] else ""))
     print(f"load average before {load_before}, after {load_after}; {cfg['pairs']} cycles "
           f"(stock / on / profile, in their 6 orders in turn), {r0['steady_iterations']} steady iterations")
@@ -374,6 +377,7 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
         f"an early close), windows (instr, ms) {r['windows']}" for r in ranks))
     per_rank = rank_table(cfg, ranks)
     summary = {"ranks": len(ranks), "bound": bool(cfg["cores"]), "atlas": cfg["atlas"],
+               "tail_quantile": cfg["tail_quantile"] or None,
                "pipelined": cfg["pipelined"], "windows": cfg["windows"], "per_rank": per_rank,
                "starved_ranks": [r["rank"] for r in per_rank if r["starved"]],
                "slowdown": _median(ratios) - 1, "slowdown_per_rank": [x - 1 for x in per_rank_ratio],
@@ -403,7 +407,7 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
                      "plan_vs_measured": w["median_rel_diff"], "plan_s": w["plan_s"],
                      "measured_s": w["measured_s"],
                      "recalibrated": c["recalibrated"], "kv_cap": r["memory"].get("cap"),
-                     "late": c["late"], "late_ms": 1e3 * c["late_s"],
+                     "late": c["late"], "late_ms": 1e3 * c["late_s"], "over_tail": c["over_tail"],
                      "cost_ratio_median": c["cost_ratio_median"], "cost_ratio_p90": c["cost_ratio_p90"],
                      "time": r["time"], "gc": r["gc"],
                      "kv_peak": r["memory"].get("kv_peak"),
@@ -428,7 +432,8 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
         t = x["time"]
         ratio = ("-" if x["cost_ratio_median"] is None else
                  f"{x['cost_ratio_median']:.2f} / {x['cost_ratio_p90']:.2f}")
-        print(f"rank {x['rank']}: late {x['late']} of {x['chunks']} ({x['late_ms']:.1f} ms), into training "
+        print(f"rank {x['rank']}: late {x['late']} of {x['chunks']} ({x['late_ms']:.1f} ms), over their "
+              f"tail cost {x['over_tail']}, into training "
               f"{t['into_training']} ({t['into_training_ms']:.1f} ms), measured/predicted median / p90 "
               f"{ratio}; " + ", ".join(f"{k} {a:.1f} -> {b:.1f}" for k, (a, b) in t["ms"].items())
               + "; iteration ms (count): "
@@ -457,6 +462,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--guard-ms", type=float, default=1.0)
+    ap.add_argument("--tail-quantile", type=float, default=0.9,
+                    help="a chunk starts only if its cost at this quantile of the recent measured ones ends "
+                         "the guard band before its window closes; 0: its mean cost (launch.bubbletea.cost)")
     ap.add_argument("--outstanding", type=int, default=8,
                     help="prompts kept queued per rank; 0: windows open, nothing to prefill")
     ap.add_argument("--history", type=int, default=5)
@@ -500,6 +508,8 @@ def main(argv: list[str] | None = None) -> None:
     for k in ("pairs", "warmup", "steady", "outstanding", "history"):
         if cfg[k] < (1 if k in ("pairs", "history") else 0):
             raise SystemExit(f"--{k.replace('_', '-')}={cfg[k]} is too small")
+    if not 0.0 <= cfg["tail_quantile"] <= 1.0:
+        raise SystemExit(f"--tail-quantile={cfg['tail_quantile']}: in [0, 1] (0: the mean cost)")
     if cfg["windows"] != "measured" and cfg["warmup"] < 1:
         raise SystemExit(f"--windows {cfg['windows']} needs --warmup >= 1 (the simulated plan's compute "
                          "times)")

@@ -16,6 +16,7 @@ def _rank(rank, stock, on, profile, ttft):
             "ttft": ttft, "prefilled": len(ttft), "chunks": 8, "skipped": 1, "closed": 0,
             "tokens_per_s": 100.0, "steady_iterations": 12, "tokens": 800 * (rank + 1),
             "counters": {"queue": 2, "queue_peak": 3, "recalibrated": 0, "late": 1, "late_s": 0.002,
+                         "over_tail": 1,
                          "cost_ratio_median": 0.9, "cost_ratio_p90": 1.2},
             "time": {"ms": {"ForwardPass": [5.0, 5.5]}, "into_training": 1, "into_training_ms": 1.5,
                      "wall_ms": {"off": [100.0, 3], "on_clear": [101.0, 2], "on_into": [104.0, 1]},
@@ -29,7 +30,7 @@ def test_report_pairs_the_arms(capsys):
     cfg = {"wan_ms": 10.0, "hidden": 8, "layers": 2, "micro_batches": 2, "batch": 2, "lm_hidden": 8,
            "lm_layers": 1, "prompt": 16, "chunk": 8, "guard_ms": 1.0, "outstanding": 1, "pairs": 3, "nice": 0,
            "prefill_nice": 19, "prefill_idle": 1, "cpus": 2, "cores": [[0], [1]], "atlas": False,
-           "pipelined": False, "windows": "both"}
+           "pipelined": False, "windows": "both", "tail_quantile": 0.9}
     # pairs: 1.00/1.00, 1.10/1.00 (a noisy pair), 0.98/1.00 -> median ratio 1.00; medians of the arms alone
     # would say otherwise if the pairs were not kept together
     ranks = [_rank(0, [1.0, 1.0, 1.0], [1.0, 1.1, 0.98], [1.02, 1.0, 1.0], [0.5, 0.7]),

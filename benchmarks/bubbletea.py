@@ -302,14 +302,14 @@ def simulated_windows(cfg: dict, bt, engine) -> list:
     """This rank's windows from ATLAS's simulator: the pipeline as a :class:`launch.plan.simulate.Job`
     whose forward and backward times are the warm-up's (medians, gathered from every rank) and whose
     boundary is the WAN (latency one way, the link's rate), simulated as DeepSpeed's engine runs it
-    (``--plan-schedule deepspeed``, :func:`launch.bubbletea.windows.deepspeed_plan`; ``1f1b``: the
+    (``--plan-schedule deepspeed``, :func:`launch.bubbletea.windows.engine_plan`; ``1f1b``: the
     idealised schedule, for comparison), its gaps mapped onto the rank's wait instructions
     (:func:`launch.bubbletea.windows.plan_windows`)."""
     import torch
     import torch.distributed as dist
 
     from commweave import comm
-    from launch.bubbletea.windows import deepspeed_plan, instruction_names, plan_windows
+    from launch.bubbletea.windows import engine_plan, instruction_names, plan_windows
     from launch.plan.simulate import Job, Route, simulate
 
     its = list(bt.iterations)[-cfg["warmup"]:]       # ops are per micro-batch: a median is t_f, t_b
@@ -324,7 +324,7 @@ def simulated_windows(cfg: dict, bt, engine) -> list:
     job = Job(tuple(tuple(float(per[s, d, 0]) for d in range(D)) for s in range(S)),
               tuple(tuple(float(per[s, d, 1]) for d in range(D)) for s in range(S)),
               routes, act_bytes=4.0 * cfg["batch"] * cfg["hidden"], micro_batches=M)
-    result = deepspeed_plan(job) if cfg["plan_schedule"] == "deepspeed" else simulate(job)
+    result = engine_plan(job, "deepspeed") if cfg["plan_schedule"] == "deepspeed" else simulate(job)
     return plan_windows(result.ops, result.iteration, (engine.stage_id, engine.grid.get_data_parallel_id()),
                         instruction_names(M, S, engine.stage_id), lane=dist.get_rank(),
                         transfers=result.transfers)

@@ -71,7 +71,7 @@ from launch.bubbletea.windows import (
     WAITS,
     combine,
     compare,
-    deepspeed_plan,
+    engine_plan,
     instruction_names,
     plan_windows,
 )
@@ -288,7 +288,8 @@ class BubbleTeaPipelineEngine(PipelineEngine):
 def enable(engine: PipelineEngine, server: PrefillServer, plan=None, **options) -> BubbleTea:
     """Switch BubbleTea on for a DeepSpeed pipeline engine; ``options`` go to :class:`BubbleTea`.
     ``plan``: ATLAS's job (a :class:`launch.plan.simulate.Job` or ``Pipeline``: simulated here as
-    DeepSpeed's engine runs it, :func:`launch.bubbletea.windows.deepspeed_plan`) or an iteration already
+    DeepSpeed's engine runs it, :func:`launch.bubbletea.windows.engine_plan`: this is DeepSpeed's engine)
+    or an iteration already
     simulated (:func:`launch.plan.simulate.simulate`'s result: ``ops``, ``iteration``), whose idle gaps
     on this rank's (stage, replica) become its planned windows (with ``windows_from="plan"`` or
     ``"both"``). Returns the controller (``.undo()``, ``.enabled``, ``.iterations``,
@@ -306,7 +307,7 @@ def enable(engine: PipelineEngine, server: PrefillServer, plan=None, **options) 
         raise TypeError(f"bubbletea.enable: engine must be a deepspeed PipelineEngine (what "
                         f"deepspeed.initialize returns for a PipelineModule), got {type(engine).__name__}")
     if plan is not None:
-        plan = plan if hasattr(plan, "ops") else deepspeed_plan(plan)
+        plan = plan if hasattr(plan, "ops") else engine_plan(plan, "deepspeed")
         names = instruction_names(engine.micro_batches, engine.num_stages, engine.stage_id)
         row = (engine.stage_id, engine.grid.get_data_parallel_id())
         options["plan"] = plan_windows(plan.ops, plan.iteration, row, names, lane=engine.global_rank,

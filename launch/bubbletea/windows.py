@@ -6,13 +6,17 @@ the iteration, :mod:`.engine`) with a start and a length. Two sources give them:
 - **measurement** (:meth:`launch.bubbletea.engine.BubbleTea.measured_windows`): the instruction's time
   over the recent prefill-off iterations (median start, lower-quartile length);
 - **the plan**: ATLAS's job (:class:`launch.plan.simulate.Job`: its stages' compute times, routes,
-  micro-batches) simulated as DeepSpeed's engine runs it (:func:`deepspeed_plan`: ``schedule=
-  "deepspeed"``, :mod:`launch.plan.deepspeed_schedule`), its ``Result.ops`` (every forward and backward
-  of every (stage, replica) row). :func:`plan_windows` maps the row's idle gaps onto the rank's
-  instructions: the executor runs DeepSpeed's ``TrainSchedule`` (checked: a plan of another order
-  raises), so the k-th gap of the row (before its k-th compute op; the last one after its last) is the
-  wait between the (k−1)-th and k-th ForwardPass/BackwardPass instructions. Of the waits there, the
-  window goes to the receive (what a stage waits in before it can compute), else the last one.
+  micro-batches) simulated as the training engine runs it (:func:`engine_plan`: ``schedule=engine``,
+  the blocking executor of :mod:`launch.plan.deepspeed_schedule` on DeepSpeed's ``TrainSchedule`` order
+  or on Megatron-LM's 1F1B, :mod:`launch.plan.megatron_schedule`), its ``Result.ops`` (every forward and
+  backward of every (stage, replica) row). A real run's BubbleTea wraps DeepSpeed's engine
+  (:mod:`.engine`), so its windows come from DeepSpeed's order; the what-if on an ATLAS plan
+  (:func:`launch.bubbletea.simulate.for_plan`) runs the order of the engine the plan was made for.
+  :func:`plan_windows` maps the row's idle gaps onto the rank's instructions: the executor runs
+  DeepSpeed's ``TrainSchedule`` (checked: a plan of another order raises), so the k-th gap of the row
+  (before its k-th compute op; the last one after its last) is the wait between the (k−1)-th and k-th
+  ForwardPass/BackwardPass instructions. Of the waits there, the window goes to the receive (what a
+  stage waits in before it can compute), else the last one.
 
   Why DeepSpeed's executor and not the idealised 1F1B the planner ranks placements with: DeepSpeed's
   p2p is blocking and its instruction order sends micro-batch m's activation only after receiving
@@ -49,16 +53,19 @@ def instruction_names(micro_batches: int, stages: int, stage: int) -> list[str]:
     return [*names, "AggregateLoss"]
 
 
-def deepspeed_plan(job):
-    """ATLAS's ``job`` (a :class:`launch.plan.simulate.Job`, or a ``Pipeline``) as DeepSpeed's engine runs
-    it: :func:`launch.plan.simulate.simulate` with ``schedule="deepspeed"`` (module docstring); the
-    result's ``ops`` and ``iteration`` are what :func:`plan_windows` reads."""
+def engine_plan(job, engine: str = "deepspeed"):
+    """ATLAS's ``job`` (a :class:`launch.plan.simulate.Job`, or a ``Pipeline``) as ``engine`` (one of
+    :data:`launch.plan.simulate.ENGINES`) runs it: :func:`launch.plan.simulate.simulate` with
+    ``schedule=engine`` (module docstring), whatever schedule the job carried; the result's ``ops`` and
+    ``iteration`` are what :func:`plan_windows` reads."""
     import dataclasses
 
-    from launch.plan.simulate import Pipeline, simulate
+    from launch.plan.simulate import ENGINES, Pipeline, simulate
 
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: one of {', '.join(ENGINES)}")
     job = job.job() if isinstance(job, Pipeline) else job
-    return simulate(dataclasses.replace(job, schedule="deepspeed"))
+    return simulate(dataclasses.replace(job, schedule=engine))
 
 
 def plan_windows(ops: Sequence, iteration: float, row: tuple[int, int], names: Sequence[str],

@@ -309,6 +309,7 @@ def simulated_windows(cfg: dict, bt, engine) -> list:
     import torch.distributed as dist
 
     from commweave import comm
+    from launch.bubbletea.engine import step_sync
     from launch.bubbletea.windows import engine_plan, instruction_names, plan_windows
     from launch.plan.simulate import Job, Route, simulate
 
@@ -327,7 +328,7 @@ def simulated_windows(cfg: dict, bt, engine) -> list:
     result = engine_plan(job, "deepspeed") if cfg["plan_schedule"] == "deepspeed" else simulate(job)
     return plan_windows(result.ops, result.iteration, (engine.stage_id, engine.grid.get_data_parallel_id()),
                         instruction_names(M, S, engine.stage_id), lane=dist.get_rank(),
-                        transfers=result.transfers)
+                        transfers=result.transfers, step_sync=step_sync(engine))
 
 
 def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> dict:

@@ -61,6 +61,35 @@ def test_deepspeeds_executor_gives_each_receive_its_round_trip():
                ) == pytest.approx(9.0)
 
 
+def test_with_clipping_the_last_stages_tail_is_its_optimizer_step():
+    """DeepSpeed clips gradients by a norm all-reduced over the stages, so stage 1 (done with B(3) at 23.5,
+    its SendGrad(3) gone at 24.5) waits in OptimizerStep until stage 0 ends B(3) at 27: the window is
+    OptimizerStep's, not the loss broadcast's (stage 1 is its root: no wait there)."""
+    result = engine_plan(Pipeline(t_f=[1, 1], t_b=[2, 2], links=[WAN], act_bytes=1.0, micro_batches=4))
+    names = instruction_names(4, 2, 1)
+    plain = plan_windows(result.ops, result.iteration, (1, 0), names, transfers=result.transfers)
+    synced = plan_windows(result.ops, result.iteration, (1, 0), names, transfers=result.transfers,
+                          step_sync=True)
+    assert (names[plain[-1].tag], plain[-1].start, plain[-1].end) == ("AggregateLoss", 23.5, 27.0)
+    assert (names[synced[-1].tag], synced[-1].start, synced[-1].end) == ("OptimizerStep", 24.5, 27.0)
+    assert synced[:-1] == plain[:-1]
+    first = plan_windows(result.ops, result.iteration, (0, 0), instruction_names(4, 2, 0),
+                         transfers=result.transfers, step_sync=True)      # stage 0 arrives last: no wait
+    assert "OptimizerStep" not in [instruction_names(4, 2, 0)[w.tag] for w in first]
+
+
+def test_the_engine_waits_in_the_optimizer_step_only_where_it_clips_over_stages():
+    from launch.bubbletea.engine import BubbleTea, step_sync
+
+    def engine(clip, stages):
+        return types.SimpleNamespace(global_rank=0, gradient_clipping=lambda: clip, num_stages=stages)
+
+    assert step_sync(engine(1.0, 2)) and not step_sync(engine(0.0, 2)) and not step_sync(engine(1.0, 1))
+    server = types.SimpleNamespace()
+    assert "OptimizerStep" in BubbleTea(engine(1.0, 2), server).waits
+    assert BubbleTea(engine(0.0, 2), server).waits == WAITS
+
+
 def test_megatrons_order_posts_the_activation_with_the_gradients_receive():
     """Megatron-LM's 1F1B (megatron_schedule.py) on the same pipeline: stage 0's steady call posts
     send_forward(1) with recv_backward(0), so micro-batch 1's activation waits only for stage 1 to post its

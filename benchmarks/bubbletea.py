@@ -206,6 +206,7 @@ def bench_rank(cfg: dict) -> dict:
         "skipped": server.stats.skipped, "closed": server.stats.closed,
         "counters": {k: v for k, v in server.counters().items() if k != "memory"},
         "memory": server.memory, "starved": bt.starved, "window_report": bt.window_report(),
+        "dry_s": bt.dry_s, "dry_iterations": bt.dry_iterations, "on_iterations": len(on),
         "time": where_time_goes(list(its)[cfg["warmup"]:]), "gc": collected,
     }
     pauses.remove()
@@ -412,6 +413,8 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
                      "cost_ratio_median": c["cost_ratio_median"], "cost_ratio_p90": c["cost_ratio_p90"],
                      "time": r["time"], "gc": r["gc"],
                      "kv_peak": r["memory"].get("kv_peak"),
+                     "dry_s": r.get("dry_s", 0.0), "dry_iterations": r.get("dry_iterations", 0),
+                     "on_iterations": r.get("on_iterations", 0), "restarts": r.get("starved", 0),
                      "starved": r["chunks"] == 0 or share < 0.5 * even})
     print()
     print(f"| rank | chunks | tokens (share) | prompts | queue end / peak | TTFT median | prefill tokens/s | "
@@ -443,10 +446,15 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
               + ", ".join(f"{arm} {ms:.1f} / {n} / {top:.1f}" for arm, (ms, n, top) in x["gc"].items())
               + "; iterations with a chunk into training, instructions 2 ms over their usual: "
               + str(t["into_slow"]))
+    print("Starvation per rank (prefill-on iterations with prompts queued and no chunk run; the service "
+          "re-timed after 8 in a row): " + "; ".join(
+              f"rank {x['rank']}: {x['dry_iterations']} of {x['on_iterations']} iterations, "
+              f"{x['dry_s']:.2f} s, re-timed {x['restarts']}x" for x in rows))
     for x in rows:
         if x["starved"]:
             print(f"WARNING: rank {x['rank']}'s prefill service is starved: {x['chunks']} chunks, "
-                  f"{100 * x['share']:.0f}% of the prefilled tokens (even share {100 * even:.0f}%)")
+                  f"{100 * x['share']:.0f}% of the prefilled tokens (even share {100 * even:.0f}%), "
+                  f"{x['dry_s']:.2f} s of prefill-on iterations without a chunk")
     return rows
 
 

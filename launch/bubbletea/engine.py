@@ -123,6 +123,9 @@ class BubbleTea:
     iterations: deque = field(default_factory=deque, init=False)
     count: int = field(default=0, init=False)  # train_batch calls so far
     starved: int = field(default=0, init=False)   # times the service was found starved (and re-timed)
+    # wall time of the prefill-on iterations in which work was queued and no chunk ran (starved or not yet)
+    dry_s: float = field(default=0.0, init=False)
+    dry_iterations: int = field(default=0, init=False)
     _dry: int = field(default=0, init=False)
     _measured: bool = field(default=False, init=False)
     _profile: deque = field(default_factory=deque, init=False)
@@ -179,6 +182,7 @@ class BubbleTea:
             self._dry = 0
             return
         self._dry += 1
+        self.dry_s, self.dry_iterations = self.dry_s + it.wall, self.dry_iterations + 1
         if self._dry < self.starve_after:
             return
         self._dry = 0

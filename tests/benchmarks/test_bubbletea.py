@@ -52,11 +52,13 @@ def test_report_pairs_the_arms(capsys):
 def test_a_starved_rank_is_flagged(capsys):
     cfg = {"wan_ms": 10.0, "cores": None, "atlas": False, "pipelined": False, "windows": "measured"}
     ranks = [_rank(0, [1.0], [1.0], [1.0], []), _rank(1, [1.0], [1.0], [1.0], [0.5])]
-    ranks[0].update(chunks=0, tokens=0)
+    ranks[0].update(chunks=0, tokens=0, dry_s=1.25, dry_iterations=10, on_iterations=12, starved=1)
     rows = bench.rank_table(cfg, ranks)
     assert [r["starved"] for r in rows] == [True, False]
+    out = capsys.readouterr().out
     assert ("WARNING: rank 0's prefill service is starved: 0 chunks, 0% of the prefilled tokens "
-            "(even share 50%)") in capsys.readouterr().out
+            "(even share 50%), 1.25 s of prefill-on iterations without a chunk") in out
+    assert "rank 0: 10 of 12 iterations, 1.25 s, re-timed 1x; rank 1: 0 of 0 iterations" in out
 
 
 def test_core_shares_split_like_bind_cores_to_rank():

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import itertools
 import json
@@ -125,7 +126,7 @@ def bench_rank(cfg: dict) -> dict:
         wan = enable_deepspeed(atlas_plan(cfg), ifname=cfg["ifname"])
     else:
         wan = emulate_wan_latency(cfg["wan_ms"] / 1e3)
-    lm = prefill_spec(cfg)
+    lm = SleepingChunks(prefill_spec(cfg)) if cfg["sleeping_chunks"] else prefill_spec(cfg)
     stage, stages = engine.stage_id, engine.num_stages
     pipeline, spec = None, lm
     if cfg["pipelined"]:           # the inference model's layers split over the training stages
@@ -249,6 +250,50 @@ def where_time_goes(its: list) -> dict:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class SleepingChunks:
+    """``--sleeping-chunks``: ``spec``'s model, caches and outputs, but a chunk *sleeps* the time its
+    shape (tokens, position) took the first time it ran instead of computing it again (no CPU, no cache
+    traffic; the cache is filled with nothing, the logits are zeros). Every window, message, wake-up and
+    hand-off happens as with prefill, without the chunk's work: what separates a slowdown the chunk's
+    compute causes from one the rest of BubbleTea causes."""
+
+    spec: object
+
+    @property
+    def vocab(self) -> int:
+        return self.spec.vocab
+
+    @property
+    def max_seq(self) -> int:
+        return self.spec.max_seq
+
+    def build(self, device):
+        return _Sleeping(self.spec.build(device), self.vocab)
+
+
+class _Sleeping:
+    def __init__(self, model, vocab: int) -> None:
+        self.model, self.vocab, self.seconds = model, vocab, {}
+
+    def new_cache(self, tokens: int):
+        return self.model.new_cache(tokens)
+
+    def prefill_chunk(self, tokens, cache):
+        import torch
+
+        key = (tokens.numel(), cache.length)
+        if key not in self.seconds:              # the shape's first chunk runs, on a scratch cache
+            scratch = self.model.new_cache(cache.capacity)
+            scratch.length = cache.length
+            t0 = time.perf_counter()
+            self.model.prefill_chunk(tokens, scratch)
+            self.seconds[key] = time.perf_counter() - t0
+        time.sleep(self.seconds[key])
+        cache.length += tokens.numel()
+        return torch.zeros(tokens.numel(), self.vocab)
+
+
 def prefill_spec(cfg: dict):
     """The model every rank's service prefills: the project's CausalLM (``--lm-hidden``, ``--lm-layers``),
     or the Hugging Face model in ``cfg["hf"]`` (a local directory; ``--hf-tiny`` saved one there)."""
@@ -353,6 +398,7 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
           f"training {cfg['layers']} x Linear({cfg['hidden']}) + Tanh, {cfg['micro_batches']} micro-batches "
           f"of {cfg['batch']}; prefill {model_name(cfg)}, prompts of "
           f"{cfg['prompt']} tokens in chunks of {cfg['chunk']}, {cfg['outstanding']} queued per rank, "
+          + ("chunks SLEEPING (no work), " if cfg.get("sleeping_chunks") else "") +
           f"guard {cfg['guard_ms']:g} ms, start rule on the "
           + (f"p{100 * cfg['tail_quantile']:g} cost" if cfg["tail_quantile"] else "mean cost")
           + f"; nice: training {cfg['nice']}, prefill {cfg['prefill_nice']}"
@@ -474,6 +520,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tail-quantile", type=float, default=0.9,
                     help="a chunk starts only if its cost at this quantile of the recent measured ones ends "
                          "the guard band before its window closes; 0: its mean cost (launch.bubbletea.cost)")
+    ap.add_argument("--sleeping-chunks", action="store_true",
+                    help="each chunk sleeps the time its shape took once instead of computing: BubbleTea's "
+                         "windows, messages and hand-offs without the chunks' work (SleepingChunks)")
     ap.add_argument("--outstanding", type=int, default=8,
                     help="prompts kept queued per rank; 0: windows open, nothing to prefill")
     ap.add_argument("--history", type=int, default=5)

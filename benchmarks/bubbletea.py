@@ -126,7 +126,12 @@ def bench_rank(cfg: dict) -> dict:
         wan = enable_deepspeed(atlas_plan(cfg), ifname=cfg["ifname"])
     else:
         wan = emulate_wan_latency(cfg["wan_ms"] / 1e3)
-    lm = SleepingChunks(prefill_spec(cfg)) if cfg["sleeping_chunks"] else prefill_spec(cfg)
+    if cfg["sleeping_chunks"]:        # by its module's name: the service cannot import a __main__ class
+        from benchmarks.bubbletea import SleepingChunks as sleeping
+
+        lm = sleeping(prefill_spec(cfg))
+    else:
+        lm = prefill_spec(cfg)
     stage, stages = engine.stage_id, engine.num_stages
     pipeline, spec = None, lm
     if cfg["pipelined"]:           # the inference model's layers split over the training stages

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import itertools
 import json
@@ -125,7 +126,12 @@ def bench_rank(cfg: dict) -> dict:
         wan = enable_deepspeed(atlas_plan(cfg), ifname=cfg["ifname"])
     else:
         wan = emulate_wan_latency(cfg["wan_ms"] / 1e3)
-    lm = prefill_spec(cfg)
+    if cfg["sleeping_chunks"]:        # by its module's name: the service cannot import a __main__ class
+        from benchmarks.bubbletea import SleepingChunks as sleeping
+
+        lm = sleeping(prefill_spec(cfg))
+    else:
+        lm = prefill_spec(cfg)
     stage, stages = engine.stage_id, engine.num_stages
     pipeline, spec = None, lm
     if cfg["pipelined"]:           # the inference model's layers split over the training stages
@@ -134,7 +140,8 @@ def bench_rank(cfg: dict) -> dict:
         spec = split(lm, stages)[stage]
         pipeline = pipeline_setup(stage, stages, "127.0.0.1", shared_key(dist.group.WORLD))
     server = PrefillServer(spec, cfg["chunk"], callback=lambda r: loop(r), guard=cfg["guard_ms"] / 1e3,
-                           nice=cfg["prefill_nice"], idle=cfg["prefill_idle"], pipeline=pipeline)
+                           nice=cfg["prefill_nice"], idle=cfg["prefill_idle"], pipeline=pipeline,
+                           tail_quantile=cfg["tail_quantile"] or None)
     if cfg["pipelined"]:
         from launch.bubbletea.pipelined import link_stages
 
@@ -205,6 +212,7 @@ def bench_rank(cfg: dict) -> dict:
         "skipped": server.stats.skipped, "closed": server.stats.closed,
         "counters": {k: v for k, v in server.counters().items() if k != "memory"},
         "memory": server.memory, "starved": bt.starved, "window_report": bt.window_report(),
+        "dry_s": bt.dry_s, "dry_iterations": bt.dry_iterations, "on_iterations": len(on),
         "time": where_time_goes(list(its)[cfg["warmup"]:]), "gc": collected,
     }
     pauses.remove()
@@ -245,6 +253,50 @@ def where_time_goes(its: list) -> dict:
     out["wall_ms"] = {k: [round(1e3 * _median(v), 2), len(v)] for k, v in walls.items()}
     out["into_slow"] = slow
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SleepingChunks:
+    """``--sleeping-chunks``: ``spec``'s model, caches and outputs, but a chunk *sleeps* the time its
+    shape (tokens, position) took the first time it ran instead of computing it again (no CPU, no cache
+    traffic; the cache is filled with nothing, the logits are zeros). Every window, message, wake-up and
+    hand-off happens as with prefill, without the chunk's work: what separates a slowdown the chunk's
+    compute causes from one the rest of BubbleTea causes."""
+
+    spec: object
+
+    @property
+    def vocab(self) -> int:
+        return self.spec.vocab
+
+    @property
+    def max_seq(self) -> int:
+        return self.spec.max_seq
+
+    def build(self, device):
+        return _Sleeping(self.spec.build(device), self.vocab)
+
+
+class _Sleeping:
+    def __init__(self, model, vocab: int) -> None:
+        self.model, self.vocab, self.seconds = model, vocab, {}
+
+    def new_cache(self, tokens: int):
+        return self.model.new_cache(tokens)
+
+    def prefill_chunk(self, tokens, cache):
+        import torch
+
+        key = (tokens.numel(), cache.length)
+        if key not in self.seconds:              # the shape's first chunk runs, on a scratch cache
+            scratch = self.model.new_cache(cache.capacity)
+            scratch.length = cache.length
+            t0 = time.perf_counter()
+            self.model.prefill_chunk(tokens, scratch)
+            self.seconds[key] = time.perf_counter() - t0
+        time.sleep(self.seconds[key])
+        cache.length += tokens.numel()
+        return torch.zeros(tokens.numel(), self.vocab)
 
 
 def prefill_spec(cfg: dict):
@@ -301,14 +353,15 @@ def simulated_windows(cfg: dict, bt, engine) -> list:
     """This rank's windows from ATLAS's simulator: the pipeline as a :class:`launch.plan.simulate.Job`
     whose forward and backward times are the warm-up's (medians, gathered from every rank) and whose
     boundary is the WAN (latency one way, the link's rate), simulated as DeepSpeed's engine runs it
-    (``--plan-schedule deepspeed``, :func:`launch.bubbletea.windows.deepspeed_plan`; ``1f1b``: the
+    (``--plan-schedule deepspeed``, :func:`launch.bubbletea.windows.engine_plan`; ``1f1b``: the
     idealised schedule, for comparison), its gaps mapped onto the rank's wait instructions
     (:func:`launch.bubbletea.windows.plan_windows`)."""
     import torch
     import torch.distributed as dist
 
     from commweave import comm
-    from launch.bubbletea.windows import deepspeed_plan, instruction_names, plan_windows
+    from launch.bubbletea.engine import step_sync
+    from launch.bubbletea.windows import engine_plan, instruction_names, plan_windows
     from launch.plan.simulate import Job, Route, simulate
 
     its = list(bt.iterations)[-cfg["warmup"]:]       # ops are per micro-batch: a median is t_f, t_b
@@ -323,10 +376,10 @@ def simulated_windows(cfg: dict, bt, engine) -> list:
     job = Job(tuple(tuple(float(per[s, d, 0]) for d in range(D)) for s in range(S)),
               tuple(tuple(float(per[s, d, 1]) for d in range(D)) for s in range(S)),
               routes, act_bytes=4.0 * cfg["batch"] * cfg["hidden"], micro_batches=M)
-    result = deepspeed_plan(job) if cfg["plan_schedule"] == "deepspeed" else simulate(job)
+    result = engine_plan(job, "deepspeed") if cfg["plan_schedule"] == "deepspeed" else simulate(job)
     return plan_windows(result.ops, result.iteration, (engine.stage_id, engine.grid.get_data_parallel_id()),
                         instruction_names(M, S, engine.stage_id), lane=dist.get_rank(),
-                        transfers=result.transfers)
+                        transfers=result.transfers, step_sync=step_sync(engine))
 
 
 def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> dict:
@@ -350,7 +403,10 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
           f"training {cfg['layers']} x Linear({cfg['hidden']}) + Tanh, {cfg['micro_batches']} micro-batches "
           f"of {cfg['batch']}; prefill {model_name(cfg)}, prompts of "
           f"{cfg['prompt']} tokens in chunks of {cfg['chunk']}, {cfg['outstanding']} queued per rank, "
-          f"guard {cfg['guard_ms']:g} ms; nice: training {cfg['nice']}, prefill {cfg['prefill_nice']}"
+          + ("chunks SLEEPING (no work), " if cfg.get("sleeping_chunks") else "") +
+          f"guard {cfg['guard_ms']:g} ms, start rule on the "
+          + (f"p{100 * cfg['tail_quantile']:g} cost" if cfg["tail_quantile"] else "mean cost")
+          + f"; nice: training {cfg['nice']}, prefill {cfg['prefill_nice']}"
           + (" + SCHED_IDLE" if cfg["prefill_idle"] else ""))
     print(f"load average before {load_before}, after {load_after}; {cfg['pairs']} cycles "
           f"(stock / on / profile, in their 6 orders in turn), {r0['steady_iterations']} steady iterations")
@@ -374,6 +430,7 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
         f"an early close), windows (instr, ms) {r['windows']}" for r in ranks))
     per_rank = rank_table(cfg, ranks)
     summary = {"ranks": len(ranks), "bound": bool(cfg["cores"]), "atlas": cfg["atlas"],
+               "tail_quantile": cfg["tail_quantile"] or None,
                "pipelined": cfg["pipelined"], "windows": cfg["windows"], "per_rank": per_rank,
                "starved_ranks": [r["rank"] for r in per_rank if r["starved"]],
                "slowdown": _median(ratios) - 1, "slowdown_per_rank": [x - 1 for x in per_rank_ratio],
@@ -403,10 +460,12 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
                      "plan_vs_measured": w["median_rel_diff"], "plan_s": w["plan_s"],
                      "measured_s": w["measured_s"],
                      "recalibrated": c["recalibrated"], "kv_cap": r["memory"].get("cap"),
-                     "late": c["late"], "late_ms": 1e3 * c["late_s"],
+                     "late": c["late"], "late_ms": 1e3 * c["late_s"], "over_tail": c["over_tail"],
                      "cost_ratio_median": c["cost_ratio_median"], "cost_ratio_p90": c["cost_ratio_p90"],
                      "time": r["time"], "gc": r["gc"],
                      "kv_peak": r["memory"].get("kv_peak"),
+                     "dry_s": r.get("dry_s", 0.0), "dry_iterations": r.get("dry_iterations", 0),
+                     "on_iterations": r.get("on_iterations", 0), "restarts": r.get("starved", 0),
                      "starved": r["chunks"] == 0 or share < 0.5 * even})
     print()
     print(f"| rank | chunks | tokens (share) | prompts | queue end / peak | TTFT median | prefill tokens/s | "
@@ -428,7 +487,8 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
         t = x["time"]
         ratio = ("-" if x["cost_ratio_median"] is None else
                  f"{x['cost_ratio_median']:.2f} / {x['cost_ratio_p90']:.2f}")
-        print(f"rank {x['rank']}: late {x['late']} of {x['chunks']} ({x['late_ms']:.1f} ms), into training "
+        print(f"rank {x['rank']}: late {x['late']} of {x['chunks']} ({x['late_ms']:.1f} ms), over their "
+              f"tail cost {x['over_tail']}, into training "
               f"{t['into_training']} ({t['into_training_ms']:.1f} ms), measured/predicted median / p90 "
               f"{ratio}; " + ", ".join(f"{k} {a:.1f} -> {b:.1f}" for k, (a, b) in t["ms"].items())
               + "; iteration ms (count): "
@@ -437,10 +497,15 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
               + ", ".join(f"{arm} {ms:.1f} / {n} / {top:.1f}" for arm, (ms, n, top) in x["gc"].items())
               + "; iterations with a chunk into training, instructions 2 ms over their usual: "
               + str(t["into_slow"]))
+    print("Starvation per rank (prefill-on iterations with prompts queued and no chunk run; the service "
+          "re-timed after 8 in a row): " + "; ".join(
+              f"rank {x['rank']}: {x['dry_iterations']} of {x['on_iterations']} iterations, "
+              f"{x['dry_s']:.2f} s, re-timed {x['restarts']}x" for x in rows))
     for x in rows:
         if x["starved"]:
             print(f"WARNING: rank {x['rank']}'s prefill service is starved: {x['chunks']} chunks, "
-                  f"{100 * x['share']:.0f}% of the prefilled tokens (even share {100 * even:.0f}%)")
+                  f"{100 * x['share']:.0f}% of the prefilled tokens (even share {100 * even:.0f}%), "
+                  f"{x['dry_s']:.2f} s of prefill-on iterations without a chunk")
     return rows
 
 
@@ -457,6 +522,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--guard-ms", type=float, default=1.0)
+    ap.add_argument("--tail-quantile", type=float, default=0.9,
+                    help="a chunk starts only if its cost at this quantile of the recent measured ones ends "
+                         "the guard band before its window closes; 0: its mean cost (launch.bubbletea.cost)")
+    ap.add_argument("--sleeping-chunks", action="store_true",
+                    help="each chunk sleeps the time its shape took once instead of computing: BubbleTea's "
+                         "windows, messages and hand-offs without the chunks' work (SleepingChunks)")
     ap.add_argument("--outstanding", type=int, default=8,
                     help="prompts kept queued per rank; 0: windows open, nothing to prefill")
     ap.add_argument("--history", type=int, default=5)
@@ -500,6 +571,8 @@ def main(argv: list[str] | None = None) -> None:
     for k in ("pairs", "warmup", "steady", "outstanding", "history"):
         if cfg[k] < (1 if k in ("pairs", "history") else 0):
             raise SystemExit(f"--{k.replace('_', '-')}={cfg[k]} is too small")
+    if not 0.0 <= cfg["tail_quantile"] <= 1.0:
+        raise SystemExit(f"--tail-quantile={cfg['tail_quantile']}: in [0, 1] (0: the mean cost)")
     if cfg["windows"] != "measured" and cfg["warmup"] < 1:
         raise SystemExit(f"--windows {cfg['windows']} needs --warmup >= 1 (the simulated plan's compute "
                          "times)")

@@ -11,7 +11,10 @@
 on gloo even a send waits until the peer has posted its receive), so every bubble of a stage — the
 1F1B warm-up and cool-down, the wait on a WAN transfer, the wait on a slower neighbour — is time the
 rank's thread spends blocked inside a SendActivation, RecvActivation, SendGrad or RecvGrad
-instruction, or in the loss broadcast at the end of ``train_batch``. :class:`BubbleTeaPipelineEngine`
+instruction, in the loss broadcast at the end of ``train_batch``, or, with gradient clipping (DeepSpeed's
+default), in OptimizerStep, whose gradient norm is all-reduced over the stages (:func:`step_sync`; the
+window there also holds the step's own compute after the all-reduce, where SCHED_IDLE yields the core to
+training). :class:`BubbleTeaPipelineEngine`
 times every instruction of every ``train_batch`` (the real-run timeline, lane = global rank); a wait
 instruction's window is its measured length at its place in the schedule (the lower quartile over the
 last iterations run without prefill, so prefill never feeds back into its own windows).
@@ -71,7 +74,7 @@ from launch.bubbletea.windows import (
     WAITS,
     combine,
     compare,
-    deepspeed_plan,
+    engine_plan,
     instruction_names,
     plan_windows,
 )
@@ -120,6 +123,9 @@ class BubbleTea:
     iterations: deque = field(default_factory=deque, init=False)
     count: int = field(default=0, init=False)  # train_batch calls so far
     starved: int = field(default=0, init=False)   # times the service was found starved (and re-timed)
+    # wall time of the prefill-on iterations in which work was queued and no chunk ran (starved or not yet)
+    dry_s: float = field(default=0.0, init=False)
+    dry_iterations: int = field(default=0, init=False)
     _dry: int = field(default=0, init=False)
     _measured: bool = field(default=False, init=False)
     _profile: deque = field(default_factory=deque, init=False)
@@ -130,6 +136,9 @@ class BubbleTea:
 
     def __post_init__(self) -> None:
         self.lane = self.engine.global_rank
+        # with gradient clipping the optimizer step all-reduces the gradient norm over the pipeline's
+        # stages, and a stage that finished its backwards first waits there (windows.plan_windows)
+        self.waits = WAITS | ({"OptimizerStep"} if step_sync(self.engine) else set())
         self._profile = deque(maxlen=self.history)
         self.iterations = deque(maxlen=self.keep)
 
@@ -173,6 +182,7 @@ class BubbleTea:
             self._dry = 0
             return
         self._dry += 1
+        self.dry_s, self.dry_iterations = self.dry_s + it.wall, self.dry_iterations + 1
         if self._dry < self.starve_after:
             return
         self._dry = 0
@@ -192,7 +202,7 @@ class BubbleTea:
             yield
             return
         tag = len(self._ops)
-        length = self._windows.get(tag) if kind in WAITS else None
+        length = self._windows.get(tag) if kind in self.waits else None
         start = time.perf_counter()
         if length:
             self.server.open(tag, start + length)
@@ -228,7 +238,7 @@ class BubbleTea:
             return []
         out = []
         for tag, op in enumerate(its[-1].ops):
-            if op.kind not in WAITS:
+            if op.kind not in self.waits:
                 continue
             starts = [it.ops[tag].start for it in its]
             lengths = sorted(it.ops[tag].end - it.ops[tag].start for it in its)
@@ -247,6 +257,13 @@ class BubbleTea:
         if isinstance(self.engine, BubbleTeaPipelineEngine):
             self.engine.__class__ = PipelineEngine
         self.engine.__dict__.pop("_bubbletea", None)
+
+
+def step_sync(engine) -> bool:
+    """Whether ``engine``'s optimizer step waits for every pipeline stage: DeepSpeed clips gradients
+    (``gradient_clipping``, 1.0 by default) by a norm all-reduced over the model-parallel group."""
+    clipping = getattr(engine, "gradient_clipping", None)
+    return callable(clipping) and clipping() > 0 and getattr(engine, "num_stages", 1) > 1
 
 
 def _smallest_chunk(server: PrefillServer) -> Chunk:
@@ -288,7 +305,8 @@ class BubbleTeaPipelineEngine(PipelineEngine):
 def enable(engine: PipelineEngine, server: PrefillServer, plan=None, **options) -> BubbleTea:
     """Switch BubbleTea on for a DeepSpeed pipeline engine; ``options`` go to :class:`BubbleTea`.
     ``plan``: ATLAS's job (a :class:`launch.plan.simulate.Job` or ``Pipeline``: simulated here as
-    DeepSpeed's engine runs it, :func:`launch.bubbletea.windows.deepspeed_plan`) or an iteration already
+    DeepSpeed's engine runs it, :func:`launch.bubbletea.windows.engine_plan`: this is DeepSpeed's engine)
+    or an iteration already
     simulated (:func:`launch.plan.simulate.simulate`'s result: ``ops``, ``iteration``), whose idle gaps
     on this rank's (stage, replica) become its planned windows (with ``windows_from="plan"`` or
     ``"both"``). Returns the controller (``.undo()``, ``.enabled``, ``.iterations``,
@@ -306,11 +324,11 @@ def enable(engine: PipelineEngine, server: PrefillServer, plan=None, **options) 
         raise TypeError(f"bubbletea.enable: engine must be a deepspeed PipelineEngine (what "
                         f"deepspeed.initialize returns for a PipelineModule), got {type(engine).__name__}")
     if plan is not None:
-        plan = plan if hasattr(plan, "ops") else deepspeed_plan(plan)
+        plan = plan if hasattr(plan, "ops") else engine_plan(plan, "deepspeed")
         names = instruction_names(engine.micro_batches, engine.num_stages, engine.stage_id)
         row = (engine.stage_id, engine.grid.get_data_parallel_id())
         options["plan"] = plan_windows(plan.ops, plan.iteration, row, names, lane=engine.global_rank,
-                                       transfers=getattr(plan, "transfers", ()))
+                                       transfers=getattr(plan, "transfers", ()), step_sync=step_sync(engine))
     bt = BubbleTea(engine, server, **options)
     engine._bubbletea = bt
     engine.__class__ = BubbleTeaPipelineEngine

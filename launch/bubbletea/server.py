@@ -27,7 +27,8 @@ other ranks' compute time, at SCHED_IDLE priority but still a few percent of the
 
 The cost of a chunk of c tokens into a cache of T is ``a + b·c + e·c·T``, fitted when the service starts
 and scaled by a running ratio of measured to predicted times, so a busier machine is seen within a few
-chunks.
+chunks; the start rule and the packer use the tail of the recent ratios (their 0.9 quantile,
+``tail_quantile``), not the mean (:mod:`launch.bubbletea.cost`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from launch.bubbletea.cost import check_quantile
 from launch.bubbletea.device import StreamRunner, as_device, memory_cap
 from launch.bubbletea.model import CausalLM, LMConfig, ModelSpec, Weights
 from launch.bubbletea.packer import Chunk
@@ -84,6 +86,7 @@ class Stats:
     recalibrated: int = 0
     late: int = 0                # chunks that ended after the end of the window they were started in
     late_s: float = 0.0          # ... by this much in all
+    over_tail: int = 0           # chunks that took longer than the start rule's tail cost for them
     ttft: list = field(default_factory=list)
     # (measured, predicted) seconds of the most recent chunks: how well the cost model predicts
     timings: deque = field(default_factory=lambda: deque(maxlen=10_000))
@@ -111,7 +114,7 @@ class PrefillServer:
                  idle: bool = True, threads: int = 1, cost: tuple[float, float, float] | None = None,
                  start_timeout: float = 300.0, cpus: Iterable[int] | None = None, device=None,
                  runner: str | None = None, memory_fraction: float | None = 0.5,
-                 pipeline: dict | None = None) -> None:
+                 pipeline: dict | None = None, tail_quantile: float | None = 0.9) -> None:
         """``config``: the inference model, a :class:`launch.bubbletea.model.ModelSpec` (an
         :class:`LMConfig`, or any picklable spec with ``vocab``, ``max_seq``, ``build(device)``; a
         :class:`CausalLM` sends its weights along); ``device``: where prefill runs (default cpu);
@@ -121,13 +124,16 @@ class PrefillServer:
         ``(a, b, e)`` instead of timing the model; ``cpus``: the CPUs the process may run on (default:
         the rank's); ``memory_fraction``: the KV caches' cap, as a fraction of the device memory free
         after training's first iterations (:meth:`measure_memory`; None: no cap); ``pipeline``: set by
-        :func:`launch.bubbletea.pipelined.stage_server` (one stage of a pipelined inference model)."""
+        :func:`launch.bubbletea.pipelined.stage_server` (one stage of a pipelined inference model);
+        ``tail_quantile``: a chunk starts only if its cost at this quantile of the recent measured ones
+        ends a guard band before its window closes (None: its mean cost; :mod:`launch.bubbletea.cost`)."""
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ValueError(f"chunk_tokens={chunk_tokens!r}: a chunk holds at least one token")
         if not guard >= 0:
             raise ValueError(f"guard={guard}: the guard band cannot be negative")
         if not -20 <= nice <= 19:
             raise ValueError(f"nice={nice}: Linux nice values lie in -20..19")
+        check_quantile(tail_quantile)
         if memory_fraction is not None and not 0.0 < memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction={memory_fraction!r}: must lie in (0, 1], or be None (no cap)")
         self.device = as_device(device)
@@ -171,7 +177,7 @@ class PrefillServer:
         self._first: tuple = ()
         setup = {"model": spec, "device": str(self.device), "chunk_tokens": chunk_tokens, "guard": guard,
                  "nice": nice, "idle": idle, "threads": threads, "cost": cost, "cpus": cpus,
-                 "memory_cap": None, **(pipeline or {})}
+                 "memory_cap": None, "tail_quantile": tail_quantile, **(pipeline or {})}
         if runner == "stream":
             self._proc = None
             self._window = memoryview(array.array("d", [0.0, 0.0]))
@@ -333,7 +339,7 @@ class PrefillServer:
         return {"chunks": st.chunks, "tokens": st.tokens, "prompts": len(st.ttft),
                 "queue": len(self._pending),
                 "queue_peak": st.queue_peak, "busy_s": st.busy, "skipped": st.skipped, "closed": st.closed,
-                "late": st.late, "late_s": st.late_s,
+                "late": st.late, "late_s": st.late_s, "over_tail": st.over_tail,
                 "ttft_median_s": ttft[0], "ttft_p90_s": ttft[1],
                 "cost_ratio_median": ratio[0], "cost_ratio_p90": ratio[1],
                 "recalibrated": st.recalibrated, "memory": dict(self.memory)}
@@ -367,9 +373,10 @@ class PrefillServer:
         """One message from the service (the collector thread, or the stream runner's thread)."""
         st = self.stats
         if kind == "chunk":
-            t0, t1, tokens, self._ratio, predicted, deadline = msg
+            t0, t1, tokens, self._ratio, predicted, deadline, tail = msg
             st.chunks, st.tokens, st.busy = st.chunks + 1, st.tokens + tokens, st.busy + (t1 - t0)
             st.timings.append((t1 - t0, predicted))
+            st.over_tail += t1 - t0 > tail
             if deadline and t1 > deadline:
                 st.late, st.late_s = st.late + 1, st.late_s + (t1 - deadline)
             self._spans.append((t0, t1))

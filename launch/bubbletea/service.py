@@ -14,7 +14,7 @@ nothing but a window word in shared memory.
 
 Messages in (pickled, over a pipe), one per line of the protocol:
     ("setup", dict)                      model spec, device, chunk size, guard, nice, idle, threads, cost,
-                                         cpus, memory cap
+                                         tail quantile, cpus, memory cap
     ("submit", id, tokens, t_submit)     queue a prompt
     ("windows", [(tag, start, length)])  pack the queue into the coming iteration's windows
     ("open", tag, seq)                   a window opened: run its chunks while the window word allows
@@ -23,15 +23,17 @@ Messages in (pickled, over a pipe), one per line of the protocol:
     ("recalibrate",)                     time the model again (a cost model that starved the rank)
     ("ping", n)                          reply ("pong", n) once everything before it is done
     ("stop",)
-Messages out: ("ready", fit), ("chunk", t0, t1, tokens, ratio, predicted, deadline) (deadline 0: no
-window), ("skipped", n, "closed" | "short"),
+Messages out: ("ready", fit), ("chunk", t0, t1, tokens, ratio, predicted, deadline, tail) (predicted:
+the mean cost, tail: the start rule's, :mod:`.cost`; deadline 0: no window), ("skipped", n, "closed" |
+"short"),
 ("done", id, cache, logits, first_token, t_submit, t_done, memory), ("memory", memory), ("fit", fit),
 ("pong", n), ("error", traceback), ("arrived", id) (pipelined: a request's first rows came from the
 previous stage); memory = {weights, kv, kv_peak, cap} in bytes.
 
 The window word is two float64: (seq, deadline). The rank writes the deadline then the seq when a
 window opens, and the deadline 0 when it closes; a chunk starts only if the seq is the open message's
-and ``now + predicted cost + guard <= deadline`` (perf_counter is one monotonic clock for every process).
+and ``now + tail cost + guard <= deadline`` (the chunk's cost at a high quantile of the recent measured
+ones, :mod:`.cost`; perf_counter is one monotonic clock for every process).
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ from multiprocessing.connection import Client, Connection, Listener
 
 import torch
 
+from launch.bubbletea.cost import CostModel, fit_cost
 from launch.bubbletea.device import synchronize, tensor_bytes
-from launch.bubbletea.model import PrefillModel
 from launch.bubbletea.packer import Chunk, Request, pack
 from launch.bubbletea.timeline import Window
 
@@ -87,39 +89,6 @@ def _tensor(data, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
     return torch.from_numpy(data).view(dtype).reshape(shape)
 
 
-def fit_cost(model: PrefillModel, max_seq: int, vocab: int, chunk_tokens: int, stream=None,
-             repeats: int = 3) -> tuple[float, float, float]:
-    """Time chunks of two sizes into caches of two capacities; least squares of ``a + b·c + e·c·T``
-    (projections and MLP per token, attention against the whole cache; :mod:`.model`). Each point is the
-    *fastest* of its repeats: a busy machine only ever adds time, so the minimum is the least disturbed
-    sample (a median taken while another job held the core once set a rank's cost 10x too high, and
-    every window below it: see :meth:`Service.recalibrate`)."""
-    caps = sorted({min(max_seq, chunk_tokens), min(max_seq, 4 * chunk_tokens)})
-    rows, times = [], []
-    g = torch.Generator().manual_seed(0)
-    for cap in caps:
-        for size in sorted({max(1, min(chunk_tokens, cap) // 2), min(chunk_tokens, cap)}):
-            tokens = torch.randint(vocab, (size,), generator=g)
-            if hasattr(model, "example_input"):         # a later stage of a pipelined model: activations
-                tokens = model.example_input(tokens)
-            samples = []
-            for _ in range(repeats + 1):                      # the first run warms the kernels
-                cache = model.new_cache(cap)
-                # at the cache's end: CausalLM attends to the whole capacity wherever a chunk is, a model
-                # that attends to the filled prefix only (hf.HFModel) shows its c·T term only there
-                cache.length = cap - size
-                t0 = time.perf_counter()
-                model.prefill_chunk(tokens, cache)
-                synchronize(stream)
-                samples.append(time.perf_counter() - t0)
-            rows.append([1.0, float(size), float(size * cap)])
-            times.append(min(samples[1:]))
-    sol = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
-                             torch.tensor(times, dtype=torch.float64)[:, None]).solution.flatten()
-    a, b, e = (max(0.0, float(x)) for x in sol)
-    return (a or 0.1 * min(times), b, e)
-
-
 class Service:
     """The scheduling core, whichever runner drives it: the request queue, the model, the cost model,
     the packer, the window rule and the memory cap. ``emit(*msg)`` sends the out-messages."""
@@ -132,14 +101,13 @@ class Service:
         self.model = self.spec.build(self.device)
         self.weights = tensor_bytes(self.model) if isinstance(self.model, torch.nn.Module) else 0
         self.chunk_tokens, self.guard = setup["chunk_tokens"], setup["guard"]
-        self.fit = setup.get("cost") or self.calibrate()
+        self.costs = CostModel(setup.get("cost") or self.calibrate(), setup.get("tail_quantile", 0.9))
         if setup.get("cost"):     # no timing run warmed the kernels: do it here, not in the first window
             size = min(self.chunk_tokens, self.spec.max_seq)
             x = torch.zeros(size, dtype=torch.long)
             x = self.model.example_input(x) if hasattr(self.model, "example_input") else x
             self.model.prefill_chunk(x, self.model.new_cache(size))
             synchronize(stream)
-        self.ratio = 1.0             # measured / predicted, a running mean
         self.queue: OrderedDict = OrderedDict()     # id -> [inputs, t_submit, cache | None, done, total]
         self.plan: dict = {}
         self.cap: int | None = setup.get("memory_cap")   # bytes the KV caches may hold (None: no cap)
@@ -153,9 +121,13 @@ class Service:
     def calibrate(self) -> tuple[float, float, float]:
         return fit_cost(self.model, self.spec.max_seq, self.spec.vocab, self.chunk_tokens, self.stream)
 
+    @property
+    def fit(self) -> tuple[float, float, float]:
+        return self.costs.fit
+
     def cost(self, chunk: Chunk) -> float:
-        a, b, e = self.fit
-        return self.ratio * (a + b * chunk.tokens + e * chunk.tokens * chunk.total)
+        """The start rule's (and the packer's) cost of a chunk: its tail cost (:mod:`.cost`)."""
+        return self.costs.tail(chunk)
 
     def admitted(self) -> list[Request]:
         """The queue as the packer sees it: requests whose cache exists, then, in FIFO order, those
@@ -189,7 +161,7 @@ class Service:
                 self.down = Client(msg[1], authkey=self.key)
             self.emit("linked", msg[1] == "accept")
         elif kind == "windows":
-            self.ratio = 1.0 + 0.8 * (self.ratio - 1.0)     # a slow spell that stopped all prefill fades
+            self.costs.fade()
             windows = [Window(None, start, start + length, tag) for tag, start, length in msg[1]]
             packing = pack(windows, self.admitted(), self.chunk_tokens, self.cost, self.guard)
             self.plan = {w.tag: [p.chunk for p in ps] for w, ps in packing.by_window().items()}
@@ -206,7 +178,7 @@ class Service:
             self.cap = msg[1]
             self.emit("memory", self.memory())
         elif kind == "recalibrate":
-            self.fit, self.ratio = self.calibrate(), 1.0
+            self.costs.refit(self.calibrate())
             self.emit("fit", self.fit)
         elif kind == "ping":
             self.emit("pong", msg[1])
@@ -239,14 +211,14 @@ class Service:
             cache = q[2] = self.model.new_cache(total)
             self.kv += cache.nbytes
             self.kv_peak = max(self.kv_peak, self.kv)
-        predicted = self.cost(chunk)
+        predicted, tail = self.costs.mean(chunk), self.cost(chunk)
         t0 = time.perf_counter()
         logits = self.model.prefill_chunk(tokens[chunk.lo:chunk.hi], cache)
         synchronize(self.stream)
         t1 = time.perf_counter()
         q[3] = chunk.hi
-        self.ratio *= 0.8 + 0.2 * (t1 - t0) / predicted
-        self.emit("chunk", t0, t1, chunk.tokens, self.ratio, predicted, deadline)
+        self.costs.observe(chunk, t1 - t0, t1)
+        self.emit("chunk", t0, t1, chunk.tokens, self.costs.ratio, predicted, deadline, tail)
         if self.down is not None:                  # to the next stage, inside the data center
             send(self.down, chunk.request, chunk.lo, chunk.hi, total, logits, t_submit)
         if chunk.hi == total:

@@ -115,18 +115,22 @@ def _pack_heterogeneous(windows, backlog, spec: InferenceSpec, stage_flops: list
 
 
 def for_plan(topo, model, plan, window: float | None = None,
-             spec: InferenceSpec | None = None) -> BubbleTeaEstimate:
+             spec: InferenceSpec | None = None, engine: str | None = None) -> BubbleTeaEstimate:
     """BubbleTea on an ATLAS plan (:func:`launch.plan.placement.make_plan`): its layout simulated once
-    more, its bubbles filled. ``window`` is the per-connection TCP window the plan was made with (default:
-    ``launch.plan.socket_limits.DEFAULT_WINDOW``, as ``make_plan``)."""
+    more in the call order of ``engine``, the training engine the plan was made for (``make_plan``'s
+    ``engine``; default DeepSpeed's), its bubbles filled. ``window`` is the per-connection TCP window the
+    plan was made with (default: ``launch.plan.socket_limits.DEFAULT_WINDOW``, as ``make_plan``)."""
     from launch.plan.estimate import build, memory
-    from launch.plan.placement import layout_of
+    from launch.plan.placement import DEFAULT_ENGINE, ENGINES, layout_of
     from launch.plan.simulate import simulate
     from launch.plan.socket_limits import DEFAULT_WINDOW
 
+    engine = DEFAULT_ENGINE if engine is None else engine
+    if engine not in ENGINES:
+        raise ValueError(f"for_plan: engine={engine!r}: one of {', '.join(ENGINES)}")
     window = DEFAULT_WINDOW if window is None else window
     spec = spec or InferenceSpec()
-    lay = layout_of(plan)
+    lay = layout_of(plan, engine)
     job = build(topo, model, lay, window)
     flops = [topo.dc(d).gpu_flops for d in plan.stage_dc]
     est = simulate_bubbletea(job, simulate(job), flops, spec, gpus_per_lane=plan.tp)

@@ -6,13 +6,17 @@ the iteration, :mod:`.engine`) with a start and a length. Two sources give them:
 - **measurement** (:meth:`launch.bubbletea.engine.BubbleTea.measured_windows`): the instruction's time
   over the recent prefill-off iterations (median start, lower-quartile length);
 - **the plan**: ATLAS's job (:class:`launch.plan.simulate.Job`: its stages' compute times, routes,
-  micro-batches) simulated as DeepSpeed's engine runs it (:func:`deepspeed_plan`: ``schedule=
-  "deepspeed"``, :mod:`launch.plan.deepspeed_schedule`), its ``Result.ops`` (every forward and backward
-  of every (stage, replica) row). :func:`plan_windows` maps the row's idle gaps onto the rank's
-  instructions: the executor runs DeepSpeed's ``TrainSchedule`` (checked: a plan of another order
-  raises), so the k-th gap of the row (before its k-th compute op; the last one after its last) is the
-  wait between the (k−1)-th and k-th ForwardPass/BackwardPass instructions. Of the waits there, the
-  window goes to the receive (what a stage waits in before it can compute), else the last one.
+  micro-batches) simulated as the training engine runs it (:func:`engine_plan`: ``schedule=engine``,
+  the blocking executor of :mod:`launch.plan.deepspeed_schedule` on DeepSpeed's ``TrainSchedule`` order
+  or on Megatron-LM's 1F1B, :mod:`launch.plan.megatron_schedule`), its ``Result.ops`` (every forward and
+  backward of every (stage, replica) row). A real run's BubbleTea wraps DeepSpeed's engine
+  (:mod:`.engine`), so its windows come from DeepSpeed's order; the what-if on an ATLAS plan
+  (:func:`launch.bubbletea.simulate.for_plan`) runs the order of the engine the plan was made for.
+  :func:`plan_windows` maps the row's idle gaps onto the rank's instructions: the executor runs
+  DeepSpeed's ``TrainSchedule`` (checked: a plan of another order raises), so the k-th gap of the row
+  (before its k-th compute op; the last one after its last) is the wait between the (k−1)-th and k-th
+  ForwardPass/BackwardPass instructions. Of the waits there, the window goes to the receive (what a
+  stage waits in before it can compute), else the last one.
 
   Why DeepSpeed's executor and not the idealised 1F1B the planner ranks placements with: DeepSpeed's
   p2p is blocking and its instruction order sends micro-batch m's activation only after receiving
@@ -49,27 +53,39 @@ def instruction_names(micro_batches: int, stages: int, stage: int) -> list[str]:
     return [*names, "AggregateLoss"]
 
 
-def deepspeed_plan(job):
-    """ATLAS's ``job`` (a :class:`launch.plan.simulate.Job`, or a ``Pipeline``) as DeepSpeed's engine runs
-    it: :func:`launch.plan.simulate.simulate` with ``schedule="deepspeed"`` (module docstring); the
-    result's ``ops`` and ``iteration`` are what :func:`plan_windows` reads."""
+def engine_plan(job, engine: str = "deepspeed"):
+    """ATLAS's ``job`` (a :class:`launch.plan.simulate.Job`, or a ``Pipeline``) as ``engine`` (one of
+    :data:`launch.plan.simulate.ENGINES`) runs it: :func:`launch.plan.simulate.simulate` with
+    ``schedule=engine`` (module docstring), whatever schedule the job carried; the result's ``ops`` and
+    ``iteration`` are what :func:`plan_windows` reads."""
     import dataclasses
 
-    from launch.plan.simulate import Pipeline, simulate
+    from launch.plan.simulate import ENGINES, Pipeline, simulate
 
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: one of {', '.join(ENGINES)}")
     job = job.job() if isinstance(job, Pipeline) else job
-    return simulate(dataclasses.replace(job, schedule="deepspeed"))
+    return simulate(dataclasses.replace(job, schedule=engine))
 
 
 def plan_windows(ops: Sequence, iteration: float, row: tuple[int, int], names: Sequence[str],
-                 lane=None, transfers: Sequence = ()) -> list[Window]:
+                 lane=None, transfers: Sequence = (), step_sync: bool = False) -> list[Window]:
     """The row's idle gaps in the plan's iteration (``ops``: :class:`launch.plan.timeline.Op`) as windows
     on the rank's wait instructions ``names`` (module docstring). Plan seconds, from the iteration start.
     With the plan's ``transfers`` (:class:`launch.plan.simulate.Transfer`), a window on a receive is the
     receive alone: from the end of the sends before it in the gap to the data's arrival (a gap also
     holds the blocking sends around the receive: stage 0's SendActivation after its RecvGrad, stage 1's
     SendGrad before its RecvActivation; the engine opens the window when the receive starts, so a gap's
-    whole length would put the deadline past the receive's end by the sends' time)."""
+    whole length would put the deadline past the receive's end by the sends' time).
+
+    ``step_sync``: the optimizer step waits for every stage (DeepSpeed clips gradients by default, with
+    the gradient norm all-reduced over the model-parallel group, which holds the pipeline's stages:
+    ``clip_grad_norm_(..., mpu=...)``), so the row's tail is spent in OptimizerStep until the pipeline's
+    last row of its replica reached its step (measured, benchmarks.bubbletea: stage 1's OptimizerStep
+    13.7-15.3 ms, stage 0's 1.5-3.6 ms, of which cProfile puts 14 ms per iteration in
+    ``clip_fp32_gradients`` on stage 1). The tail's window is then OptimizerStep's, to that moment, and
+    the rest of the tail the loss broadcast's (AggregateLoss) on every stage but the last: the last
+    stage is the broadcast's root and does not wait in it."""
     compute = sorted((op for op in ops if (op.stage, op.replica) == tuple(row) and op.kind in
                       ("forward", "backward")), key=lambda op: op.start)
     positions = [i for i, n in enumerate(names) if n in COMPUTE]
@@ -78,6 +94,7 @@ def plan_windows(ops: Sequence, iteration: float, row: tuple[int, int], names: S
         raise ValueError(f"plan_windows: row {tuple(row)}'s plan runs {_short(planned)} but the rank's "
                          f"schedule runs {_short(ran)}: not the same pipeline schedule")
     moved = _transfer_times(transfers, row, names)
+    sync = _step_sync(ops, row[1]) if step_sync and "OptimizerStep" in names else None
     out = []
     bounds = [-1, *positions, len(names)]
     edges = [0.0] + [op.end for op in compute]
@@ -89,6 +106,9 @@ def plan_windows(ops: Sequence, iteration: float, row: tuple[int, int], names: S
         end = compute[k].start if k < len(compute) else _tail_end(ops, row, iteration, start)
         receives = [i for i in waits if names[i].startswith("Recv")]
         tag = receives[-1] if receives else waits[-1]
+        if sync is not None and k == len(compute):      # the tail: OptimizerStep, then AggregateLoss
+            out += _step_windows(names, bounds[k], start, end, sync, moved, lane, row[0] == _last(ops))
+            continue
         if tag in moved:                # the receive alone: after the sends before it, to its data's arrival
             start = max([start, *(moved[i] for i in waits if i < tag and i in moved)])
             end = min(end, moved[tag])
@@ -117,6 +137,29 @@ def _transfer_times(transfers: Sequence, row: tuple[int, int], names: Sequence[s
         t = by_key.get((edge, fwd, m, d))
         if t is not None:
             out[i] = t.arrives if receive else t.done
+    return out
+
+
+def _step_sync(ops, replica: int) -> float:
+    """When the last row of the pipeline of ``replica`` reaches its optimizer step: its last compute's
+    end, or its DP all-reduce's end where it has one (ReduceGrads comes first)."""
+    return max(op.end for op in ops if op.replica == replica and op.kind in ("forward", "backward",
+                                                                              "allreduce"))
+
+
+def _last(ops) -> int:
+    return max(op.stage for op in ops)
+
+
+def _step_windows(names, after: int, start: float, end: float, sync: float, moved: dict, lane,
+                  last_stage: bool) -> list[Window]:
+    """The tail's windows under ``step_sync`` (:func:`plan_windows`): from ``start`` (after the tail's
+    sends) on OptimizerStep until ``sync``, then on AggregateLoss until ``end`` (not on the last stage)."""
+    opt, agg = names.index("OptimizerStep", after + 1), len(names) - 1
+    start = max([start, *(t for i, t in moved.items() if after < i < opt)])
+    out = [Window(lane, start, sync, opt)] if sync > start else []
+    if not last_stage and names[agg] == "AggregateLoss" and end > max(start, sync):
+        out.append(Window(lane, max(start, sync), end, agg))
     return out
 
 

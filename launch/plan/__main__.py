@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.bubbletea:
         from launch.bubbletea.simulate import for_plan, render_line
 
-        bt = for_plan(topo, model, plan, DEFAULT_WINDOW)
+        bt = for_plan(topo, model, plan, DEFAULT_WINDOW, engine=args.engine)
         print(render_line(bt))
         ops += [Op(*p.lane, "prefill", p.start, p.end) for p in bt.packing.placements]
         title += f", {100 * bt.utilisation:.0f}% with BubbleTea's prefill"

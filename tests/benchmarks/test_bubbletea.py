@@ -16,6 +16,7 @@ def _rank(rank, stock, on, profile, ttft):
             "ttft": ttft, "prefilled": len(ttft), "chunks": 8, "skipped": 1, "closed": 0,
             "tokens_per_s": 100.0, "steady_iterations": 12, "tokens": 800 * (rank + 1),
             "counters": {"queue": 2, "queue_peak": 3, "recalibrated": 0, "late": 1, "late_s": 0.002,
+                         "over_tail": 1,
                          "cost_ratio_median": 0.9, "cost_ratio_p90": 1.2},
             "time": {"ms": {"ForwardPass": [5.0, 5.5]}, "into_training": 1, "into_training_ms": 1.5,
                      "wall_ms": {"off": [100.0, 3], "on_clear": [101.0, 2], "on_into": [104.0, 1]},
@@ -29,7 +30,7 @@ def test_report_pairs_the_arms(capsys):
     cfg = {"wan_ms": 10.0, "hidden": 8, "layers": 2, "micro_batches": 2, "batch": 2, "lm_hidden": 8,
            "lm_layers": 1, "prompt": 16, "chunk": 8, "guard_ms": 1.0, "outstanding": 1, "pairs": 3, "nice": 0,
            "prefill_nice": 19, "prefill_idle": 1, "cpus": 2, "cores": [[0], [1]], "atlas": False,
-           "pipelined": False, "windows": "both"}
+           "pipelined": False, "windows": "both", "tail_quantile": 0.9}
     # pairs: 1.00/1.00, 1.10/1.00 (a noisy pair), 0.98/1.00 -> median ratio 1.00; medians of the arms alone
     # would say otherwise if the pairs were not kept together
     ranks = [_rank(0, [1.0, 1.0, 1.0], [1.0, 1.1, 0.98], [1.02, 1.0, 1.0], [0.5, 0.7]),
@@ -51,11 +52,13 @@ def test_report_pairs_the_arms(capsys):
 def test_a_starved_rank_is_flagged(capsys):
     cfg = {"wan_ms": 10.0, "cores": None, "atlas": False, "pipelined": False, "windows": "measured"}
     ranks = [_rank(0, [1.0], [1.0], [1.0], []), _rank(1, [1.0], [1.0], [1.0], [0.5])]
-    ranks[0].update(chunks=0, tokens=0)
+    ranks[0].update(chunks=0, tokens=0, dry_s=1.25, dry_iterations=10, on_iterations=12, starved=1)
     rows = bench.rank_table(cfg, ranks)
     assert [r["starved"] for r in rows] == [True, False]
+    out = capsys.readouterr().out
     assert ("WARNING: rank 0's prefill service is starved: 0 chunks, 0% of the prefilled tokens "
-            "(even share 50%)") in capsys.readouterr().out
+            "(even share 50%), 1.25 s of prefill-on iterations without a chunk") in out
+    assert "rank 0: 10 of 12 iterations, 1.25 s, re-timed 1x; rank 1: 0 of 0 iterations" in out
 
 
 def test_core_shares_split_like_bind_cores_to_rank():
@@ -104,3 +107,23 @@ def test_where_the_time_goes_per_instruction_and_into_training():
     assert (got["into_training"], got["into_training_ms"]) == (1, pytest.approx(4.0))
     assert got["wall_ms"] == {"off": [23.0, 1], "on_clear": [27.0, 1], "on_into": [33.0, 1]}
     assert got["into_slow"] == [[(1, "RecvGrad", 10.0)]]
+
+
+def test_sleeping_chunks_keep_the_cache_and_the_messages_without_the_work():
+    import time
+
+    import torch
+
+    from launch.bubbletea import LMConfig
+
+    spec = bench.SleepingChunks(LMConfig(vocab=40, hidden=16, layers=1, heads=2, max_seq=16))
+    assert (spec.vocab, spec.max_seq) == (40, 16)
+    model = spec.build(torch.device("cpu"))
+    cache = model.new_cache(16)
+    logits = model.prefill_chunk(torch.arange(8), cache)
+    assert cache.length == 8 and torch.equal(logits, torch.zeros(8, 40)) and list(model.seconds) == [(8, 0)]
+    model.seconds[(8, 8)] = 0.05                   # a shape timed before: slept, not run
+    t0 = time.perf_counter()
+    model.prefill_chunk(torch.arange(8), cache)
+    assert time.perf_counter() - t0 >= 0.05 and cache.length == 16
+    assert torch.equal(cache.k, torch.zeros_like(cache.k))         # nothing computed into the cache

@@ -145,6 +145,7 @@ def test_a_starved_service_is_warned_about_and_timed_again():
                 _iteration(bt, 0.04)
         server.sync()
         assert bt.starved == 1 and server.stats.recalibrated == 1 and server.fit[0] < 1.0
+        assert bt.dry_iterations == 3 and bt.dry_s >= 3 * 0.04      # the starved iterations' wall time
         for _ in range(40):                    # a few on an idle machine; more when others load it
             _iteration(bt, 0.04)
             bt.wait_idle()

@@ -8,8 +8,8 @@ from launch.bubbletea.packer import check_placements
 from launch.bubbletea.simulate import InferenceSpec, for_plan, simulate_bubbletea
 from launch.plan import topology
 from launch.plan.__main__ import main as plan_main
-from launch.plan.estimate import ModelSpec
-from launch.plan.placement import make_plan
+from launch.plan.estimate import ModelSpec, build
+from launch.plan.placement import layout_of, make_plan
 from launch.plan.simulate import Link, Pipeline, simulate
 
 # An intercontinental case (hundreds of ms RTT, a few Gb/s): our own until configs/ ships one.
@@ -51,17 +51,36 @@ def test_slower_gpus_prefill_slower():
         simulate_bubbletea(p, r, [1e12])
 
 
-def test_intercontinental_plan_reaches_90_percent_with_bubbletea():
+@pytest.fixture(scope="module")
+def intercontinental():
+    """(topology, model, ATLAS's plan for DeepSpeed) of the intercontinental case, planned once."""
     topo = topology.parse(INTERCONTINENTAL, source="intercontinental")
     # dp x tp fixed at 4 x 2 so that the plan crosses the WAN (us holds 16 GPUs): with DeepSpeed's schedule
     # the planner would otherwise keep inside us, where the bubbles are few
     model = ModelSpec(**INTERCONTINENTAL["model"], dp=4, tp=2)
-    plan = make_plan(topo, model, connections=8, window=4 * 2**20)
+    return topo, model, make_plan(topo, model, connections=8, window=4 * 2**20)
+
+
+def test_intercontinental_plan_reaches_90_percent_with_bubbletea(intercontinental):
+    topo, model, plan = intercontinental
     est = for_plan(topo, model, plan, window=4 * 2**20)
     assert plan.wan_boundaries()
     assert est.utilisation_training == pytest.approx(plan.estimate.utilisation, rel=1e-6)
     assert est.utilisation >= 0.90 > est.utilisation_training
     assert est.memory_fits
+
+
+def test_a_plan_for_megatron_is_filled_in_megatrons_order(intercontinental):
+    """A plan run by Megatron-LM (``launch.plan --engine megatron``): the what-if simulates its layout in
+    Megatron's call order (the simulator's own result for that layout and engine), not DeepSpeed's,
+    whose iteration on this layout is another length."""
+    topo, model, plan = intercontinental
+    est = for_plan(topo, model, plan, window=4 * 2**20, engine="megatron")
+    megatron = simulate(build(topo, model, layout_of(plan, "megatron"), 4 * 2**20))
+    assert est.utilisation_training == pytest.approx(megatron.utilisation, rel=1e-9)
+    assert est.utilisation_training != pytest.approx(plan.estimate.utilisation, rel=1e-3)   # DeepSpeed's
+    with pytest.raises(ValueError, match="for_plan: engine='varuna': one of deepspeed, megatron"):
+        for_plan(topo, model, plan, engine="varuna")
 
 
 def test_plan_cli_prints_the_bubbletea_line_and_json(tmp_path, capsys):

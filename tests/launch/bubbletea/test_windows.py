@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from launch.bubbletea.timeline import Window
-from launch.bubbletea.windows import WAITS, combine, compare, deepspeed_plan, instruction_names, plan_windows
+from launch.bubbletea.windows import WAITS, combine, compare, engine_plan, instruction_names, plan_windows
 from launch.plan.simulate import Link, Pipeline, simulate
 from launch.plan.timeline import idle_windows
 
@@ -42,7 +42,7 @@ def test_deepspeeds_executor_gives_each_receive_its_round_trip():
     SendActivation(0) 1-2, F(1) 2-3, RecvGrad(0) 3-7 (stage 1: act at 2.5, F, B till 5.5, grad 5.5-6.5,
     here at 7), SendActivation(1) 7-8, B(0) 8-10, F(2) 10-11, RecvGrad(1) 11-13, ..., RecvGrad(3) 22-25,
     B(3) 25-27. With the transfers, a window is the receive alone (not the send after it in the gap)."""
-    result = deepspeed_plan(Pipeline(t_f=[1, 1], t_b=[2, 2], links=[WAN], act_bytes=1.0, micro_batches=4))
+    result = engine_plan(Pipeline(t_f=[1, 1], t_b=[2, 2], links=[WAN], act_bytes=1.0, micro_batches=4))
     assert result.iteration == pytest.approx(27.0)
     names = instruction_names(4, 2, 0)
     got = plan_windows(result.ops, result.iteration, (0, 0), names, transfers=result.transfers)
@@ -59,6 +59,55 @@ def test_deepspeeds_executor_gives_each_receive_its_round_trip():
     ideal = _plan()
     assert sum(w.length for w in plan_windows(ideal.ops, ideal.iteration, (0, 0), instruction_names(4, 2, 0))
                ) == pytest.approx(9.0)
+
+
+def test_with_clipping_the_last_stages_tail_is_its_optimizer_step():
+    """DeepSpeed clips gradients by a norm all-reduced over the stages, so stage 1 (done with B(3) at 23.5,
+    its SendGrad(3) gone at 24.5) waits in OptimizerStep until stage 0 ends B(3) at 27: the window is
+    OptimizerStep's, not the loss broadcast's (stage 1 is its root: no wait there)."""
+    result = engine_plan(Pipeline(t_f=[1, 1], t_b=[2, 2], links=[WAN], act_bytes=1.0, micro_batches=4))
+    names = instruction_names(4, 2, 1)
+    plain = plan_windows(result.ops, result.iteration, (1, 0), names, transfers=result.transfers)
+    synced = plan_windows(result.ops, result.iteration, (1, 0), names, transfers=result.transfers,
+                          step_sync=True)
+    assert (names[plain[-1].tag], plain[-1].start, plain[-1].end) == ("AggregateLoss", 23.5, 27.0)
+    assert (names[synced[-1].tag], synced[-1].start, synced[-1].end) == ("OptimizerStep", 24.5, 27.0)
+    assert synced[:-1] == plain[:-1]
+    first = plan_windows(result.ops, result.iteration, (0, 0), instruction_names(4, 2, 0),
+                         transfers=result.transfers, step_sync=True)      # stage 0 arrives last: no wait
+    assert "OptimizerStep" not in [instruction_names(4, 2, 0)[w.tag] for w in first]
+
+
+def test_the_engine_waits_in_the_optimizer_step_only_where_it_clips_over_stages():
+    from launch.bubbletea.engine import BubbleTea, step_sync
+
+    def engine(clip, stages):
+        return types.SimpleNamespace(global_rank=0, gradient_clipping=lambda: clip, num_stages=stages)
+
+    assert step_sync(engine(1.0, 2)) and not step_sync(engine(0.0, 2)) and not step_sync(engine(1.0, 1))
+    server = types.SimpleNamespace()
+    assert "OptimizerStep" in BubbleTea(engine(1.0, 2), server).waits
+    assert BubbleTea(engine(0.0, 2), server).waits == WAITS
+
+
+def test_megatrons_order_posts_the_activation_with_the_gradients_receive():
+    """Megatron-LM's 1F1B (megatron_schedule.py) on the same pipeline: stage 0's steady call posts
+    send_forward(1) with recv_backward(0), so micro-batch 1's activation waits only for stage 1 to post its
+    receive (after its B(0), at 5.5), not for gradient 0 to reach stage 0 (7): by hand, stage 1's F(1) at
+    7 (DeepSpeed's 8.5), stage 0's B(0) 7-9 and the iteration 22.5 s (DeepSpeed's 27), stage 1's windows
+    0-2.5 (F(0)'s activation), 5.5-7, 10-11.5, 14.5-16 and, with no loss broadcast, 19 to the end."""
+    pipe = Pipeline(t_f=[1, 1], t_b=[2, 2], links=[WAN], act_bytes=1.0, micro_batches=4)
+    result = engine_plan(pipe, "megatron")
+    assert result.iteration == pytest.approx(22.5)
+    ops = {(o.stage, o.kind, o.micro_batch): (o.start, o.end) for o in result.ops}
+    assert ops[(1, "forward", 1)] == (7.0, 8.0) and ops[(0, "backward", 0)] == (7.0, 9.0)
+    gaps = idle_windows(result.ops, result.iteration)
+    assert gaps[(1, 0)] == [(0.0, 2.5), (5.5, 7.0), (10.0, 11.5), (14.5, 16.0), (19.0, 22.5)]
+    assert gaps[(0, 0)] == [(1.0, 2.0), (3.0, 7.0), (10.0, 11.5), (14.5, 16.0), (18.0, 20.5)]
+    # the job's own schedule is replaced by the engine's
+    assert engine_plan(pipe.job(), "megatron").iteration == pytest.approx(22.5)
+    with pytest.raises(ValueError, match="engine='gpipe': one of deepspeed, megatron"):
+        engine_plan(pipe, "gpipe")
 
 
 def test_a_plan_of_another_schedule_is_refused():

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
 import itertools
 import json
@@ -49,6 +48,7 @@ import statistics
 import tempfile
 import time
 
+from benchmarks.sleeping_chunks import SleepingChunks
 from commweave.world import World
 from launch.bubbletea.windows import WAITS
 
@@ -126,12 +126,7 @@ def bench_rank(cfg: dict) -> dict:
         wan = enable_deepspeed(atlas_plan(cfg), ifname=cfg["ifname"])
     else:
         wan = emulate_wan_latency(cfg["wan_ms"] / 1e3)
-    if cfg["sleeping_chunks"]:        # by its module's name: the service cannot import a __main__ class
-        from benchmarks.bubbletea import SleepingChunks as sleeping
-
-        lm = sleeping(prefill_spec(cfg))
-    else:
-        lm = prefill_spec(cfg)
+    lm = SleepingChunks(prefill_spec(cfg)) if cfg["sleeping_chunks"] else prefill_spec(cfg)
     stage, stages = engine.stage_id, engine.num_stages
     pipeline, spec = None, lm
     if cfg["pipelined"]:           # the inference model's layers split over the training stages
@@ -253,50 +248,6 @@ def where_time_goes(its: list) -> dict:
     out["wall_ms"] = {k: [round(1e3 * _median(v), 2), len(v)] for k, v in walls.items()}
     out["into_slow"] = slow
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class SleepingChunks:
-    """``--sleeping-chunks``: ``spec``'s model, caches and outputs, but a chunk *sleeps* the time its
-    shape (tokens, position) took the first time it ran instead of computing it again (no CPU, no cache
-    traffic; the cache is filled with nothing, the logits are zeros). Every window, message, wake-up and
-    hand-off happens as with prefill, without the chunk's work: what separates a slowdown the chunk's
-    compute causes from one the rest of BubbleTea causes."""
-
-    spec: object
-
-    @property
-    def vocab(self) -> int:
-        return self.spec.vocab
-
-    @property
-    def max_seq(self) -> int:
-        return self.spec.max_seq
-
-    def build(self, device):
-        return _Sleeping(self.spec.build(device), self.vocab)
-
-
-class _Sleeping:
-    def __init__(self, model, vocab: int) -> None:
-        self.model, self.vocab, self.seconds = model, vocab, {}
-
-    def new_cache(self, tokens: int):
-        return self.model.new_cache(tokens)
-
-    def prefill_chunk(self, tokens, cache):
-        import torch
-
-        key = (tokens.numel(), cache.length)
-        if key not in self.seconds:              # the shape's first chunk runs, on a scratch cache
-            scratch = self.model.new_cache(cache.capacity)
-            scratch.length = cache.length
-            t0 = time.perf_counter()
-            self.model.prefill_chunk(tokens, scratch)
-            self.seconds[key] = time.perf_counter() - t0
-        time.sleep(self.seconds[key])
-        cache.length += tokens.numel()
-        return torch.zeros(tokens.numel(), self.vocab)
 
 
 def prefill_spec(cfg: dict):

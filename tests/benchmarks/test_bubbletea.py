@@ -107,23 +107,3 @@ def test_where_the_time_goes_per_instruction_and_into_training():
     assert (got["into_training"], got["into_training_ms"]) == (1, pytest.approx(4.0))
     assert got["wall_ms"] == {"off": [23.0, 1], "on_clear": [27.0, 1], "on_into": [33.0, 1]}
     assert got["into_slow"] == [[(1, "RecvGrad", 10.0)]]
-
-
-def test_sleeping_chunks_keep_the_cache_and_the_messages_without_the_work():
-    import time
-
-    import torch
-
-    from launch.bubbletea import LMConfig
-
-    spec = bench.SleepingChunks(LMConfig(vocab=40, hidden=16, layers=1, heads=2, max_seq=16))
-    assert (spec.vocab, spec.max_seq) == (40, 16)
-    model = spec.build(torch.device("cpu"))
-    cache = model.new_cache(16)
-    logits = model.prefill_chunk(torch.arange(8), cache)
-    assert cache.length == 8 and torch.equal(logits, torch.zeros(8, 40)) and list(model.seconds) == [(8, 0)]
-    model.seconds[(8, 8)] = 0.05                   # a shape timed before: slept, not run
-    t0 = time.perf_counter()
-    model.prefill_chunk(torch.arange(8), cache)
-    assert time.perf_counter() - t0 >= 0.05 and cache.length == 16
-    assert torch.equal(cache.k, torch.zeros_like(cache.k))         # nothing computed into the cache

@@ -16,9 +16,9 @@ any partition into stages builds the same weights as :func:`reference_losses`.
 ``--warmup`` untimed steps, ping-pongs on the variant's own connections (:func:`probe_link`), then
 ``--steps`` timed ones, and every instruction of DeepSpeed's engine timed on every rank (compute,
 send/recv waits, the reduce and optimizer step); ``--passes 2`` visits the variants once more in
-reverse order. The last pass's ping-pongs run with the ranks outside each pair computing their stage
-(launch.net.pingpong.Beside), as they do beside a transfer in the steps; the first of two passes
-takes them with those ranks at a barrier, for comparison. ``--hidden`` and
+reverse order; its ping-pongs run with the ranks outside each pair computing their stage without
+pause (launch.net.pingpong.Beside), the CPU contention of a replica computing beside a transfer at
+full duty, kept apart (``pingpong_beside_s``) from the first pass's (others at a barrier). ``--hidden`` and
 ``--micro-batch`` set the activation each micro-batch sends: micro-batch x hidden x 4 bytes (fp32).
 benchmarks/atlas_calibration.py runs this on the emulated WAN and compares it with the simulator.
 """
@@ -133,17 +133,17 @@ def measure(plan, variants: list[str], steps: int, warmup: int, hidden: int, row
     """Per variant: this rank's seconds per ``train_batch`` and per engine instruction (timed steps
     only), and ``probe(handle, connections, compute)`` of the link taken just before the timed steps
     (after the warm-up: the connections the steps use, in the state the steps leave them; ``compute``
-    the stage's work the ranks outside each pair run in the last pass, None in the first). ``passes`` 2
+    the stage's work the ranks outside each pair run in the second pass, None in the first). ``passes`` 2
     visits the variants in order and then in reverse (A B C C B A), ``steps`` timed steps each visit:
     a machine load that drifts during the launch then weighs on every variant alike."""
     engine = engine_for(plan, hidden, rows)
     work = stage_work(engine, hidden, rows)
     order = variants + variants[::-1] * (passes - 1)
-    acc = {v: {"step_s": [], "seconds": {}, "pingpong_s": [], "pingpong_alone_s": [], "tcp": []}
+    acc = {v: {"step_s": [], "seconds": {}, "pingpong_s": [], "pingpong_beside_s": [], "tcp": []}
            for v in variants}
     step = 0
     for visit, variant in enumerate(order):
-        beside = visit >= len(variants) * (passes - 1)          # the last pass: others compute
+        beside = visit >= len(variants)          # the second pass: the others compute
         handle, k = None, 1
         if variant != "stock":
             k, mode = variant.split(":")
@@ -153,7 +153,7 @@ def measure(plan, variants: list[str], steps: int, warmup: int, hidden: int, row
             step += 1
         link, got = probe(handle, int(k), work if beside else None), acc[variant]
         if link["pingpong_s"]:
-            got["pingpong_s" if beside else "pingpong_alone_s"].append(link["pingpong_s"])
+            got["pingpong_beside_s" if beside else "pingpong_s"].append(link["pingpong_s"])
         got["tcp"] = link["tcp"]
         time_instructions(engine, got["seconds"])
         for _ in range(steps):
@@ -167,7 +167,7 @@ def measure(plan, variants: list[str], steps: int, warmup: int, hidden: int, row
     return {v: {"step_s": a["step_s"], "ops": {k: statistics.median(x) for k, x in a["seconds"].items()},
                 "ops_total_s": sum(map(sum, a["seconds"].values())),
                 "op_count": {k: len(x) for k, x in a["seconds"].items()},
-                "link": {"pingpong_s": a["pingpong_s"], "pingpong_alone_s": a["pingpong_alone_s"],
+                "link": {"pingpong_s": a["pingpong_s"], "pingpong_beside_s": a["pingpong_beside_s"],
                          "tcp": a["tcp"]}} for v, a in acc.items()}
 
 

@@ -17,12 +17,15 @@ instruction order, blocking gloo send/recv that rendezvous: launch/plan/deepspee
   sending, ``alpha + bytes / rate`` of one transfer after an idle gap and how long the send call
   takes to return, from blocking ping-pongs of 64 KiB and 2 MiB (one connection) or 1 and 4 MiB
   (striped) that the cell's own ranks run on the cell's own connections after its warm-up, just
-  before its timed steps, pair by pair (launch.net.pingpong; the fit set, printed per cell). No
-  pipeline step time enters it. The constants measured before the cells by separate processes
-  (benchmarks.wan.link_constants, what ``python -m benchmarks.wan --pingpong 64,2048
-  --normal-priority`` measures on a user's link) are predicted beside them for comparison
-  (``--no-earlier-fit`` skips that): on this shared machine they drifted with the load (2.7 MB/s for
-  one connection at 40 ms where the cells got 4.1, README);
+  before its timed steps of the first pass, pair by pair, the other ranks at a barrier (the fit set,
+  printed per cell). No pipeline step time enters it. The second pass's ping-pongs run with the ranks
+  outside the pair computing their stage without pause (launch.net.pingpong.Beside) and are predicted
+  beside them (``beside``): the CPU contention of a replica computing next to a transfer at full duty,
+  an upper bound (measured: 1.5-3x pessimistic for one-connection cells, README), so not the prediction.
+  The constants measured before the cells by separate processes (benchmarks.wan.link_constants,
+  what ``python -m benchmarks.wan --pingpong 64,2048 --normal-priority`` measures on a user's link)
+  are predicted beside them too (``--no-earlier-fit`` skips that): on this shared machine they
+  drifted with the load (2.7 MB/s for one connection at 40 ms where the cells got 4.1, README);
 - the cell's compute: each stage's median ForwardPass (+ LoadMicroBatch) and BackwardPass, and its
   ReduceGrads + OptimizerStep, as the ranks timed them (inputs, like a profile: nothing is fitted).
 
@@ -67,17 +70,18 @@ def measured(ranks: list[dict], variant: str) -> float:
     return statistics.median(max(s) for s in steps)
 
 
-def in_run_modes(ranks: list[dict], variants: list[str]) -> dict[str, dict]:
+def in_run_modes(ranks: list[dict], variants: list[str], key: str = "pingpong_s") -> dict[str, dict]:
     """Per variant, the link modes its prediction takes: the ping-pongs its own ranks ran just before
-    its timed steps (launch.net.pingpong) for its own way of sending, the launch's other variants'
-    for the rest (a k-connection variant below STRIPE_MIN_BYTES sends whole over one connection:
-    the ``1`` mode)."""
+    its timed steps (launch.net.pingpong; ``key`` "pingpong_s" with the other ranks at a barrier,
+    "pingpong_beside_s" beside their compute) for its own way of sending, the launch's other
+    variants' for the rest (a k-connection variant below STRIPE_MIN_BYTES sends whole over one
+    connection: the ``1`` mode)."""
     from launch.net.pingpong import combine
 
     own = {}
     for v in variants:
         k = 1 if v == "stock" else int(v.split(":")[0])
-        pairs = [p for r in ranks for p in r["variants"][v]["link"]["pingpong_s"]]
+        pairs = [p for r in ranks for p in r["variants"][v]["link"][key]]
         own[v] = ("stock" if v == "stock" else str(k), combine(pairs, k))
     every = {key: mode for key, mode in own.values()}
     return {v: {**every, key: mode} for v, (key, mode) in own.items()}
@@ -173,11 +177,14 @@ def run(rtts: list[float], acts: list[int], conns: list[int], steps: int,
                 with tempfile.TemporaryDirectory(prefix="atlas-cal-") as tmp:
                     ranks = two_dc.launch(link, topo, Path(tmp), script, args, timeout_s=NODE_TIMEOUT)
                 modes = in_run_modes(ranks, vs)
+                beside = in_run_modes(ranks, vs, "pingpong_beside_s")
                 for v in vs:
                     pred, comp = predict(ranks, v, rows * hidden * 4, links[rtt_ms]["link_Bps"], modes[v])
                     cell = {"rtt_ms": rtt_ms, "act_kib": kib, "variant": v, "measured_s": measured(ranks, v),
                             "predicted_s": pred, "compute": comp, "link": modes[v],
-                            "tcp": window_seen(ranks, v)}
+                            "tcp": window_seen(ranks, v),
+                            "beside_s": predict(ranks, v, rows * hidden * 4, links[rtt_ms]["link_Bps"],
+                                                beside[v])[0]}
                     if earlier:
                         cell["earlier_s"] = predict(ranks, v, rows * hidden * 4, earlier["link_Bps"],
                                                     earlier["modes"])[0]
@@ -213,10 +220,12 @@ def report(r: dict) -> None:
               + (f"; earlier fit (separate processes before the cells): {modes_text(c['earlier']['modes'])}"
                  if c["earlier"] else ""))
     earlier = any("earlier_s" in c for c in cells)
-    print("the fit set of each cell: ping-pongs by its own ranks just before its timed steps "
-          "(launch.net.pingpong), t = alpha + bytes / rate; tcp: the largest advertised window (snd_wnd) and "
-          "socket buffers (rb/tb) of its WAN connections (ss)")
+    print("the fit set of each cell: ping-pongs by its own ranks just before its first pass's timed steps, "
+          "the other ranks at a barrier, t = alpha + bytes / rate; beside: the second pass's ping-pongs, the "
+          "other ranks computing their stage without pause (launch.net.pingpong.Beside); tcp: the largest "
+          "advertised window (snd_wnd) and socket buffers (rb/tb) of its WAN connections (ss)")
     print(f"{'RTT':>4} {'act':>6} {'variant':<12} {'measured':>9} {'predicted':>9} {'error':>7}  "
+          + f"{'beside':>9} {'error':>7}  "
           + (f"{'earlier fit':>11} {'error':>7}  " if earlier else "")
           + f"{'F0/B0/F1/B1 ms':<16} {'this cell: alpha + rate':<22} tcp snd_wnd/rb/tb KiB")
     groups, within = {}, []
@@ -231,6 +240,7 @@ def report(r: dict) -> None:
         tcp = c["tcp"]
         print(f"{c['rtt_ms']:>4g} {c['act_kib']:>4}Ki {c['variant']:<12} {c['measured_s']:>8.3f}s "
               f"{c['predicted_s']:>8.3f}s {err:>+7.1%}  "
+              f"{c['beside_s']:>8.3f}s {c['beside_s'] / c['measured_s'] - 1:>+7.1%}  "
               + (f"{c['earlier_s']:>10.3f}s {c['earlier_s'] / c['measured_s'] - 1:>+7.1%}  "
                  if earlier else "")
               + f"{ms:<16} {own['alpha_s'] * 1e3:>3.0f} ms + {own['Bps'] / 1e6:>5.1f} MB/s      "

@@ -16,7 +16,9 @@ any partition into stages builds the same weights as :func:`reference_losses`.
 ``--warmup`` untimed steps, ping-pongs on the variant's own connections (:func:`probe_link`), then
 ``--steps`` timed ones, and every instruction of DeepSpeed's engine timed on every rank (compute,
 send/recv waits, the reduce and optimizer step); ``--passes 2`` visits the variants once more in
-reverse order. ``--hidden`` and
+reverse order; its ping-pongs run with the ranks outside each pair computing their stage without
+pause (launch.net.pingpong.Beside), the CPU contention of a replica computing beside a transfer at
+full duty, kept apart (``pingpong_beside_s``) from the first pass's (others at a barrier). ``--hidden`` and
 ``--micro-batch`` set the activation each micro-batch sends: micro-batch x hidden x 4 bytes (fp32).
 benchmarks/atlas_calibration.py runs this on the emulated WAN and compares it with the simulator.
 """
@@ -129,15 +131,19 @@ def time_instructions(engine, seconds: dict[str, list[float]]) -> None:
 def measure(plan, variants: list[str], steps: int, warmup: int, hidden: int, rows: int,
             enable, probe, passes: int = 1) -> dict:
     """Per variant: this rank's seconds per ``train_batch`` and per engine instruction (timed steps
-    only), and ``probe(handle, connections)`` of the link taken just before the timed steps (after
-    the warm-up: the connections the steps use, in the state the steps leave them). ``passes`` 2
+    only), and ``probe(handle, connections, compute)`` of the link taken just before the timed steps
+    (after the warm-up: the connections the steps use, in the state the steps leave them; ``compute``
+    the stage's work the ranks outside each pair run in the second pass, None in the first). ``passes`` 2
     visits the variants in order and then in reverse (A B C C B A), ``steps`` timed steps each visit:
     a machine load that drifts during the launch then weighs on every variant alike."""
     engine = engine_for(plan, hidden, rows)
+    work = stage_work(engine, hidden, rows)
     order = variants + variants[::-1] * (passes - 1)
-    acc = {v: {"step_s": [], "seconds": {}, "pingpong_s": [], "tcp": []} for v in variants}
+    acc = {v: {"step_s": [], "seconds": {}, "pingpong_s": [], "pingpong_beside_s": [], "tcp": []}
+           for v in variants}
     step = 0
-    for variant in order:
+    for visit, variant in enumerate(order):
+        beside = visit >= len(variants)          # the second pass: the others compute
         handle, k = None, 1
         if variant != "stock":
             k, mode = variant.split(":")
@@ -145,8 +151,9 @@ def measure(plan, variants: list[str], steps: int, warmup: int, hidden: int, row
         for _ in range(warmup):
             _step(engine, plan, step, hidden, rows)
             step += 1
-        link, got = probe(handle, int(k)), acc[variant]
-        got["pingpong_s"] += [link["pingpong_s"]] if link["pingpong_s"] else []
+        link, got = probe(handle, int(k), work if beside else None), acc[variant]
+        if link["pingpong_s"]:
+            got["pingpong_beside_s" if beside else "pingpong_s"].append(link["pingpong_s"])
         got["tcp"] = link["tcp"]
         time_instructions(engine, got["seconds"])
         for _ in range(steps):
@@ -160,17 +167,31 @@ def measure(plan, variants: list[str], steps: int, warmup: int, hidden: int, row
     return {v: {"step_s": a["step_s"], "ops": {k: statistics.median(x) for k, x in a["seconds"].items()},
                 "ops_total_s": sum(map(sum, a["seconds"].values())),
                 "op_count": {k: len(x) for k, x in a["seconds"].items()},
-                "link": {"pingpong_s": a["pingpong_s"], "tcp": a["tcp"]}} for v, a in acc.items()}
+                "link": {"pingpong_s": a["pingpong_s"], "pingpong_beside_s": a["pingpong_beside_s"],
+                         "tcp": a["tcp"]}} for v, a in acc.items()}
 
 
-def probe_link(plan, handle, connections: int, far: set[str] | None) -> dict:
+def stage_work(engine, hidden: int, rows: int):
+    """One micro-batch's forward and backward through a copy of this rank's stage (the same layer
+    shapes, weights of its own: the engine's are untouched), for ping-pongs beside compute."""
+    lo, hi = engine.module.parts[engine.stage_id], engine.module.parts[engine.stage_id + 1]
+    layers = nn.Sequential(*[cls(*args) for cls, *args in layer_factories(hidden)[lo:hi]])
+    x = torch.randn(rows, hidden)
+
+    def work() -> None:
+        layers(x).square().mean().backward()
+    return work
+
+
+def probe_link(plan, handle, connections: int, far: set[str] | None, compute=None) -> dict:
     """The link as this rank's sends see it: ping-pongs over the way the pipeline sends (DeepSpeed's
-    world-group p2p without ``handle``, ATLAS's WAN groups with it; launch.net.pingpong) and the
-    kernel's view of this namespace's connections to the far data center (launch.net.sockets.tcp_info)."""
+    world-group p2p without ``handle``, ATLAS's WAN groups with it; launch.net.pingpong), with the
+    ranks outside each pair running ``compute`` when given, and the kernel's view of this namespace's
+    connections to the far data center (launch.net.sockets.tcp_info)."""
     import torch.distributed as dist
 
     from commweave import comm
-    from launch.net.pingpong import pipeline_pingpong
+    from launch.net.pingpong import Beside, pipeline_pingpong
     from launch.net.sockets import tcp_info
 
     me = dist.get_rank()
@@ -186,7 +207,11 @@ def probe_link(plan, handle, connections: int, far: set[str] | None) -> dict:
 
         def recv(t, peer):
             handle.wan.irecv(t, me, peer).wait()
-    seconds = pipeline_pingpong(plan.wan_pairs(), me, send, recv, connections, dist.barrier)
+    beside = None if compute is None else Beside(
+        compute, lambda t, r: comm.isend(t, r, dist.group.WORLD),
+        lambda t, r: comm.irecv(t, r, dist.group.WORLD),
+        range(dist.get_world_size()))
+    seconds = pipeline_pingpong(plan.wan_pairs(), me, send, recv, connections, dist.barrier, beside=beside)
     keep = ("snd_wnd", "rcv_space", "rcv_ssthresh", "rb", "tb", "cwnd", "minrtt", "mss", "bytes_acked",
             "bytes_received", "cc", "local", "peer")
     return {"pingpong_s": seconds, "tcp": [{k: c[k] for k in keep if k in c} for c in tcp_info(far)]}
@@ -253,7 +278,8 @@ def main() -> None:
             return atlas.enable_deepspeed(plan, connections=k, sharing=mode)
 
         report["variants"] = measure(plan, variants, args.steps, args.warmup, args.hidden, args.micro_batch,
-                                     enable_variant, lambda handle, k: probe_link(plan, handle, k, far),
+                                     enable_variant,
+                                     lambda handle, k, work: probe_link(plan, handle, k, far, work),
                                      args.passes)
         report["act_bytes"] = args.micro_batch * args.hidden * 4
     else:

@@ -10,15 +10,21 @@ peers that crosses the WAN, on the connections the job's sends use (the world gr
 own p2p, the k-connection WAN groups for ATLAS), at the ranks' own priority and socket settings and
 under the machine load of the steps that follow: a constant measured earlier by other processes
 (benchmarks.wan.link_constants) tracks the link less well on a shared machine (README, "The simulator
-against real runs"). Pairs take turns, every other rank waiting at a barrier, so each transfer is
-alone on the link as the constants assume.
+against real runs"). Pairs take turns, so each transfer is alone on the link as the constants assume.
+The ranks outside the pair either wait at a barrier or, with :class:`Beside`, run their stage's
+compute until the pair is done: in a pipeline step the other replicas compute beside a transfer, and
+on a machine with fewer cores than ranks plus the WAN's forwarders that compute takes CPU from the
+transfer (measured: the 8-connection 1 MiB cells at load 16, README). Ping-pongs taken beside the
+compute measure that contention on the same ranks and cores instead of modelling it.
 """
 
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +33,20 @@ STRIPED_KIB = (1024, 4096)      # k > 1 connections: both sizes striped (>= STRI
 REPEATS = 3
 
 Transfer = Callable[[torch.Tensor], None]       # a blocking send or receive to/from the peer
+
+
+@dataclass(frozen=True)
+class Beside:
+    """What the ranks outside a pair do during its ping-pongs: ``compute()`` (one unit of their stage's
+    work, e.g. a micro-batch's forward and backward) again and again until the pair's first rank says
+    it is done, by a one-element message: ``isend(tensor, rank)``/``irecv(tensor, rank)`` return a
+    handle with ``wait()`` (commweave.comm.isend/irecv). gloo's receive handle never reports
+    completion before ``wait()`` returns, so a thread waits for the message. ``ranks``: the job's."""
+
+    compute: Callable[[], None]
+    isend: Callable[[torch.Tensor, int], object]
+    irecv: Callable[[torch.Tensor, int], object]
+    ranks: Sequence[int]
 
 
 def sizes_kib(connections: int) -> tuple[int, int]:
@@ -77,19 +97,49 @@ def fit(seconds: Mapping[str, float], kib: Sequence[int]) -> dict[str, float]:
 
 def pipeline_pingpong(pairs: Sequence[tuple[int, int]], me: int, send: Callable[[torch.Tensor, int], None],
                       recv: Callable[[torch.Tensor, int], None], connections: int,
-                      barrier: Callable[[], None], repeats: int = REPEATS) -> dict[str, float] | None:
+                      barrier: Callable[[], None], repeats: int = REPEATS, beside: Beside | None = None
+                      ) -> dict[str, float] | None:
     """Ping-pongs between each WAN pair (sender stage first) in turn. Every rank calls it (``barrier``
     is collective over the job); returns this rank's one-way seconds per size where it is the first
-    of a pair, else None. ``send(tensor, peer)``/``recv(tensor, peer)``: the job's way of sending."""
+    of a pair, else None. ``send(tensor, peer)``/``recv(tensor, peer)``: the job's way of sending;
+    ``beside``: the other ranks compute during each pair's ping-pongs (else they wait at the barrier)."""
     kib, mine = sizes_kib(connections), None
     for a, b in pairs:
         barrier()
+        others = [r for r in beside.ranks if r not in (a, b)] if beside is not None else []
         if me in (a, b):
             peer = b if me == a else a
             times = one_way(me == a, lambda t, p=peer: send(t, p), lambda t, p=peer: recv(t, p), kib, repeats)
             mine = times if me == a else mine
+            if me == a:
+                for w in [beside.isend(torch.ones(1), r) for r in others]:
+                    w.wait()
+        elif me in others:
+            _compute_until(beside, a)
     barrier()
     return mine
+
+
+def _compute_until(beside: Beside, first: int) -> None:
+    """``beside.compute()`` until ``first``'s one-element message arrives (waited for on a thread; an
+    error there is raised here)."""
+    arrived, failed = threading.Event(), []
+
+    def wait() -> None:
+        try:
+            beside.irecv(torch.zeros(1), first).wait()
+        except Exception as e:     # re-raised on the calling thread
+            failed.append(e)
+        finally:
+            arrived.set()
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    while not arrived.is_set():
+        beside.compute()
+    waiter.join()
+    if failed:
+        raise failed[0]
 
 
 def combine(per_pair: Sequence[Mapping[str, Mapping[str, float]]], connections: int) -> dict:

@@ -46,7 +46,7 @@ from unittest import mock
 
 from commweave import values
 from launch.net.sockets import nccl_env
-from launch.plan import topology
+from launch.plan import inputs, topology
 from launch.plan.placement import (
     DEFAULT_SHARING,
     SHARINGS,
@@ -63,7 +63,8 @@ from launch.run import launchers, runtime
 EXPORT_PREFIXES = ["GLOO", "NCCL", "TORCH_GLOO", "ATLAS", "COMMWEAVE"]
 TIMEOUT_ENV = "COMMWEAVE_TIMEOUT_S"
 _OURS = {"--atlas-topology": True, "--atlas-model": True, "--wan-connections": True,
-         "--atlas-sharing": True, "--atlas-host": True, "--atlas-hostfile": True, "--atlas-timeout": True,
+         "--atlas-sharing": True, "--link": True, "--atlas-host": True, "--atlas-hostfile": True,
+         "--atlas-timeout": True,
          "--dry-run": False}
 _NCCL_IFNAME = re.compile(r"[\^=]?[A-Za-z0-9_][A-Za-z0-9_.-]{0,14}(,[A-Za-z0-9_][A-Za-z0-9_.-]{0,14})*",
                           re.ASCII)
@@ -101,6 +102,10 @@ def deepspeed_parser() -> argparse.ArgumentParser:
                    help="how DP replicas share a WAN link: at once (spatial, the default), taking turns "
                         f"(temporal), or the faster by the planner's simulator (auto); temporal and auto are "
                         f"{UNVALIDATED}")
+    g.add_argument("--link", action="append", metavar="A:B=FILE",
+                   help="the TCP window of the WAN link A-B as measured on it (FILE: python -m "
+                        "benchmarks.wan --json FILE); repeat per link; else the topology's window_mb, else "
+                        "Linux's default (as python -m launch.plan --link)")
     g.add_argument("--atlas-host", metavar="NAME", help="with --no_ssh: this host's name in the topology")
     g.add_argument("--atlas-hostfile", metavar="PATH", help="keep the generated hostfile at PATH")
     g.add_argument("--atlas-timeout", metavar="SECONDS",
@@ -139,7 +144,8 @@ def prepare(argv: list[str], environ: Mapping[str, str] | None = None) -> Launch
     _check_arguments(args)
     _check_environment(environ)
 
-    full = topology.load(args.atlas_topology)
+    # a measured window replaces the stated or assumed one before anything is planned from it
+    full, measured = inputs.apply_links(topology.load(args.atlas_topology), args.link)
     topo, slot_ids = _filter(full, args)
     model = load_model(topo, args.atlas_model)
     plan = make_plan(topo, model, args.wan_connections, args.atlas_sharing)
@@ -190,7 +196,7 @@ def prepare(argv: list[str], environ: Mapping[str, str] | None = None) -> Launch
     if args.no_ssh:
         node = _this_node(plan, topo, args)
         if node is None:
-            return Launch(plan, render(plan, topo, model), [], env, "", [], None, idle=True,
+            return Launch(plan, _text(plan, topo, model, measured), [], env, "", [], None, idle=True,
                           launcher=launcher)
         extra += ["--node_rank", str([h.name for h in plan.hosts].index(node))]
         head = _drop_option(head, "--node_rank")
@@ -200,7 +206,8 @@ def prepare(argv: list[str], environ: Mapping[str, str] | None = None) -> Launch
     hostfile_text = "".join(f"{h.name} slots={full.host(h.name).slots if include else h.slots}\n"
                             for h in plan.hosts)
     hostfile = args.atlas_hostfile or ""
-    return Launch(plan, render(plan, topo, model), head + extra + ["--hostfile", hostfile] + argv[script_at:],
+    return Launch(plan, _text(plan, topo, model, measured),
+                  head + extra + ["--hostfile", hostfile] + argv[script_at:],
                   env, hostfile, tcp_advice(links, plan.wan_flows), node, launcher=launcher,
                   hostfile_text=hostfile_text, launcher_args=launcher_args, dry_run=args.dry_run)
 
@@ -403,6 +410,11 @@ def _include(plan: Plan, slot_ids: dict[str, list[int]]) -> str:
     if all(ids == list(range(len(ids))) for ids in picks.values()):
         return ""
     return "@".join(f"{name}:{','.join(map(str, ids))}" for name, ids in picks.items())
+
+
+def _text(plan: Plan, topo: topology.Topology, model, measured: inputs.Measured) -> str:
+    """The plan as printed, with where each WAN window came from (launch.plan.inputs)."""
+    return "\n".join([render(plan, topo, model), *inputs.render(topo, measured)])
 
 
 def _drop_ours(tokens: list[str]) -> list[str]:

@@ -64,3 +64,42 @@ def test_one_way_between_two_threads():
     assert all(out[0]["send_return"][k] < 2 * out[0]["one_way"][k] for k in ("1", "8"))
     # per size and repeat: a sync element and the tensor each way
     assert sorted(seen) == sorted([(me, n) for me in (0, 1) for n in (1, 256, 1, 256, 1, 2048, 1, 2048)])
+
+
+def test_ranks_outside_the_pair_compute_until_it_is_done():
+    """Three ranks as threads: the pair (0, 1) ping-pongs while rank 2 runs its compute, which stops once
+    rank 0's message says the pair is done; then every rank leaves the barrier."""
+    lanes = {(a, b): queue.Queue() for a in range(3) for b in range(3)}       # lanes[(src, dst)]
+    barrier, out, computed = threading.Barrier(3, timeout=20), {}, []
+
+    class Sent:
+        def wait(self):
+            return True
+
+    def rank(me):
+        def send(t, peer):
+            lanes[(me, peer)].put(t.clone())
+
+        def recv(t, peer):
+            t.copy_(lanes[(peer, me)].get(timeout=10))
+
+        class Received:
+            def __init__(self, t, peer):
+                self.t, self.peer = t, peer
+
+            def wait(self):
+                recv(self.t, self.peer)
+
+        beside = pingpong.Beside(lambda: computed.append(me), lambda t, r: send(t, r) or Sent(),
+                                 lambda t, r: Received(t, r), range(3))
+        out[me] = pingpong.pipeline_pingpong([(0, 1)], me, send, recv, 1, barrier.wait, repeats=1,
+                                             beside=beside)
+
+    threads = [threading.Thread(target=rank, args=(me,)) for me in range(3)]
+    [t.start() for t in threads]
+    [t.join(timeout=30) for t in threads]
+    assert set(out) == {0, 1, 2} and out[1] is None and out[2] is None
+    assert all(v > 0 for v in out[0]["one_way"].values()), out
+    # only the rank outside the pair computed, and no message is left on any lane
+    assert computed and set(computed) == {2}
+    assert all(q.empty() for q in lanes.values())

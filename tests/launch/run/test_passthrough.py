@@ -150,3 +150,37 @@ def test_contradictions_with_the_topology_are_refused(tmp_path, argv, hosts, mes
     argv = [named.get(a, a) for a in argv]
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):
         prepare(["--atlas-topology", _four_hosts(tmp_path), *argv, SCRIPT], environ={})
+
+
+@pytest.mark.parametrize("path", ["local", "pdsh"])
+def test_a_measured_link_window_replaces_the_assumed_one(path, tmp_path, capsys, monkeypatch):
+    """``--link A:B=FILE`` (as ``python -m launch.plan`` takes it): the window of benchmarks.wan's JSON is
+    the one planned from (the printed inputs say measured, and the plan's connection count follows the
+    window), ``--link`` stays with deepspeed-atlas, the script's own ``--link`` reaches the script."""
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    wan = tmp_path / "wan.json"
+    wan.write_text('{"window_mb": 0.25}')
+    slow = lambda raw: raw["wan"][0].update(rtt_ms=100, bandwidth_gbps=10)  # noqa: E731
+    topo = _topology(tmp_path, slots=2, wan=slow)
+    argv = ["--atlas-topology", topo, "--dry-run", *PATH_ARGS[path]]
+    assumed = prepare([*argv, SCRIPT])
+    measured = prepare([*argv, "--link", f"a:b={wan}", SCRIPT, "--link", "x"])
+    assert "TCP window 2 MiB per connection assumed" in assumed.text, assumed.text
+    assert f"TCP window 0.25 MiB per connection measured: {wan}" in measured.text, measured.text
+    # a connection carries 8x less at the measured window: the planner opens more of them
+    assert measured.plan.connections > assumed.plan.connections
+    assert measured.argv[-3:] == [SCRIPT, "--link", "x"] and "--link" not in measured.argv[:-2]
+    main([*argv, f"--link=a:b={wan}", SCRIPT])
+    out = capsys.readouterr().out
+    assert "measured" in out and "--link" not in _node_line(path, out), out
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("a:b", "use A:B=FILE"), ("a:c={wan}", "c"), ("a:b={empty}", "has no window_mb")])
+def test_a_bad_link_is_refused_before_anything_launches(spec, message, tmp_path):
+    wan, empty = tmp_path / "wan.json", tmp_path / "empty.json"
+    wan.write_text('{"window_mb": 1}')
+    empty.write_text("{}")
+    with pytest.raises(ValueError, match=message):
+        prepare(["--atlas-topology", _topology(tmp_path), "--dry-run", "--link",
+                 spec.format(wan=wan, empty=empty), SCRIPT])

@@ -111,7 +111,8 @@ def plan(world: int, sh: Shard, nodes: list[int], topo: Topology | None, u: int,
         raise ValueError(error)
     inner, sub_nodes, shared = _hybrid_parts(sh, u, nodes, topo)
     p = world // u
-    lay = choose(p, inner, sub_nodes, shared, team_size, placement, layout, causal)
+    host = None if topo is None else (lambda c, order: topo.profile.host_s(world, u, c, order))
+    lay = choose(p, inner, sub_nodes, shared, team_size, placement, layout, causal, host)
     name = next(n for n, order in ORDERS.items() if tuple(order(p, lay.team_size)) == lay.order)
     seconds = None if topo is None else (estimate(lay, inner, sub_nodes, shared, causal)
                                          + _all_to_all(sh, u, nodes, topo)

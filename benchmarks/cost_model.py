@@ -142,7 +142,8 @@ def world_table(world: int, args, calib_cfg: dict) -> dict:
             rows.append({"name": n, "measured_ms": 1e3 * statistics.median(ser),
                          "iqr_pct": 100 * (q3 - q1) / statistics.median(ser),
                          "predicted_ms": 1e3 * plan_s(world, sh, nodes, topo, u, c, order),
-                         "host_ms": 1e3 * prof.host_s(world, u, c, order)})
+                         "host_ms": 1e3 * prof.host_s(world, u, c, order),
+                         "memory_ms": 1e3 * prof.memory_s(world, u, c, order, s, b * h * d * 4)})
         out[clock] = summarize(rows, tied_pairs(series))
         print_table(world, clock, out[clock], args, load0, load1)
     return out
@@ -158,7 +159,10 @@ def summarize(rows: list[dict], ties: set | None = None) -> dict:
             rows[r][key] = i + 1
     pick = min(range(len(rows)), key=lambda i: pred[i])
     best = meas.index(min(meas))
+    bare = [p - r.get("memory_ms", 0.0) for p, r in zip(pred, rows, strict=True)]
     return {"rows": rows, "kendall_tau": kendall_tau(pred, meas),
+            "kendall_tau_without_memory": kendall_tau(bare, meas),
+            "kendall_tau_ties_without_memory": kendall_tau(bare, meas, ties=ties),
             "kendall_tau_ties": kendall_tau(pred, meas, ties=ties),
             "tied": sorted([rows[i]["name"], rows[j]["name"]] for i, j in ties),
             "pick": rows[pick]["name"], "best": rows[best]["name"], "pick_over_best": meas[pick] / meas[best],
@@ -169,15 +173,18 @@ def print_table(world: int, clock: str, t: dict, args, load0: str, load1: str) -
     print(f"\nP = {world}, {world * args.seq_per_rank} tokens, "
           f"{args.heads} heads x {args.head_dim}, fp32, causal; "
           f"{clock} clock, median of {args.reps} interleaved rounds; load {load0} -> {load1}")
-    print(f"{'candidate':<22}{'measured ms':>12}{'IQR %':>7}{'predicted ms':>13}{'host ms':>8}"
+    print(f"{'candidate':<22}{'measured ms':>12}{'IQR %':>7}{'predicted ms':>13}{'host ms':>8}{'mem ms':>8}"
           f"{'pred/meas':>10}{'rank meas':>10}{'rank pred':>10}")
     for r in t["rows"]:
         print(f"{r['name']:<22}{r['measured_ms']:>12.1f}{r['iqr_pct']:>7.1f}{r['predicted_ms']:>13.1f}"
-              f"{r['host_ms']:>8.1f}{r['predicted_ms'] / r['measured_ms']:>10.2f}"
+              f"{r['host_ms']:>8.1f}{r.get('memory_ms', 0.0):>8.1f}"
+              f"{r['predicted_ms'] / r['measured_ms']:>10.2f}"
               f"{r['measured_rank']:>10}{r['predicted_rank']:>10}")
     print(f"Kendall tau-b {t['kendall_tau']:.2f} (every measured difference counts), "
           f"{t['kendall_tau_ties']:.2f} with measured ties ({len(t['tied'])}: "
-          f"{'; '.join(' = '.join(p) for p in t['tied']) or 'none'}); model's pick {t['pick']}, "
+          f"{'; '.join(' = '.join(p) for p in t['tied']) or 'none'}); without the memory term "
+          f"{t['kendall_tau_without_memory']:.2f} / {t['kendall_tau_ties_without_memory']:.2f}; "
+          f"model's pick {t['pick']}, "
           f"measured best {t['best']}; the pick's measured time / the best's: {t['pick_over_best']:.3f}"
           f"{' (a measured tie)' if t['pick_tied_with_best'] and t['pick'] != t['best'] else ''}")
 

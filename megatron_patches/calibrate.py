@@ -27,6 +27,8 @@ time too. Each figure is the median over ``--reps`` repetitions of the slowest r
 - ``host``: every plan (U, C, order) of the world run through wallfacer_attention forward + backward on
   --host-rows rows per rank, plans interleaved; less the model's price of that tiny problem, the code
   path's own work per plan (host.py for the derivation; --host-rows 0: not measured).
+- ``memory``: each plan's bytes per row moved outside its kernel blocks, traced at --host-rows and twice
+  that, and the copy bandwidth (copy_ of 4 MiB, timed like the rest): memory.py (with --host-rows).
 
 Across nodes nothing is measured here (one machine): the profile has no ``inter`` link, and the cost
 model refuses to plan across nodes with it. With ``--ranks 1`` (one GPU) nothing but the kernels can be
@@ -46,7 +48,7 @@ from dataclasses import replace
 import torch
 
 from commweave import cost
-from megatron_patches import host
+from megatron_patches import host, memory
 from megatron_patches.profile import (
     BWD_FLOPS,
     CURVES,
@@ -203,6 +205,10 @@ def measure(cfg: dict) -> dict:
         plans = host.host_plans(world, max(cfg["heads"]), cfg["head_dim"], dtype.itemsize, 4)
         steps = host.plan_steps(cfg["host_rows"], 1, max(cfg["heads"]), cfg["head_dim"], plans, dtype, device)
         out["host"] = _timed_rounds(steps, reps, device, cfg["inner"])
+        twice = host.plan_steps(2 * cfg["host_rows"], 1, max(cfg["heads"]), cfg["head_dim"], plans, dtype,
+                                device)
+        out["memory"] = {k: memory.row_bytes(steps[k], twice[k], cfg["host_rows"]) for k in steps}
+        out["copy"] = _timed(memory.copy_step(device, dtype), reps, device, cfg["inner"])
     return out
 
 
@@ -260,8 +266,14 @@ def profile_from(per_rank: list, cfg: dict, description: str, clock: str = "wall
     tiny = {k: _slowest(per_rank, lambda r, k=k: r["host"][k]) for k in r0["host"]}
     provenance.update(host_rows=cfg["host_rows"], host_tiny_s={k: round(v, 6) for k, v in tiny.items()})
     elt = getattr(torch, cfg["dtype"]).itemsize
-    return replace(prof, host=host.host_table(tiny, len(per_rank), max(cfg["heads"]), cfg["head_dim"], elt, 4,
-                                              prof))
+    table = host.host_table(tiny, len(per_rank), max(cfg["heads"]), cfg["head_dim"], elt, 4, prof)
+    if "memory" not in r0:
+        return replace(prof, host=table)
+    pick = max if clock == "wall" else statistics.mean  # the slowest rank, or the ranks' mean work
+    mem = {"gbytes": 2 * memory.COPY_BYTES / _slowest(per_rank, lambda r: r["copy"]) / 1e9,
+           "rows": cfg["host_rows"], "trace_bytes": max(cfg["heads"]) * cfg["head_dim"] * elt,
+           "row_bytes": {k: pick(r["memory"][k] for r in per_rank) for k in r0["memory"]}}
+    return replace(prof, host=table, memory=mem)
 
 
 def measurements(cfg: dict, world=None) -> list:

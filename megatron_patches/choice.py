@@ -5,8 +5,9 @@ team size C over the P/U groups (C = 1: ring attention) and the slot order of th
 (placement.ORDERS). Each group rank holds U·N/P tokens of h/U heads; K/V heads fewer than U are
 replicated to U/g ranks, as hybrid.py sends them. The seconds are placement.estimate's for the WallFacer
 part (the profile's kernels, links and collectives) plus the head all-to-alls plus the profile's host work
-of the plan (host.py; 0 where the profile has none). :func:`choose_hybrid` is
-auto's choice (attention.plan_layout calls it for one CP group's shards), :func:`reason` what it prints;
+of the plan (host.py) and its memory traffic (memory.py; each 0 where the profile has none).
+:func:`choose_hybrid` is auto's choice (attention.plan_layout calls it for one CP group's shards),
+:func:`reason` what it prints;
 ``python -m megatron_patches.estimate`` tabulates the same plans for a cluster.
 """
 
@@ -73,12 +74,19 @@ def _hybrid_parts(sh: Shard, u: int, nodes: list[int], topo: Topology | None):
 def plan_s(world: int, sh: Shard, nodes: list[int], topo: Topology, u: int, c: int, order: str,
            causal: bool = True, layout: str = "zigzag") -> float:
     """Seconds of one given (U, C, slot order): WallFacer over the P/U groups, the head all-to-alls and
-    the profile's host work of the plan (host.py)."""
+    the plan's own code (code_s: host work and memory traffic)."""
     inner, sub_nodes, shared = _hybrid_parts(sh, u, nodes, topo)
     p = world // u
     lay = Layout(p, c, ORDERS[order](p, c), layout)
     return (estimate(lay, inner, sub_nodes, shared, causal) + _all_to_all(sh, u, nodes, topo)
-            + topo.profile.host_s(world, u, c, order))
+            + code_s(world, sh, topo, u, c, order))
+
+
+def code_s(world: int, sh: Shard, topo: Topology, u: int, c: int, order: str) -> float:
+    """The profile's seconds of the plan's own code besides kernels and messages: its host work (host.py)
+    and its memory traffic at this shard's size (memory.py); 0 for what the profile does not hold."""
+    return (topo.profile.host_s(world, u, c, order)
+            + topo.profile.memory_s(world, u, c, order, sh.s, sh.b * sh.hq * sh.d * sh.elt))
 
 
 def candidates(world: int, sh: Shard, nodes: list[int]) -> list[tuple[int, int, str]]:
@@ -111,11 +119,12 @@ def plan(world: int, sh: Shard, nodes: list[int], topo: Topology | None, u: int,
         raise ValueError(error)
     inner, sub_nodes, shared = _hybrid_parts(sh, u, nodes, topo)
     p = world // u
-    lay = choose(p, inner, sub_nodes, shared, team_size, placement, layout, causal)
+    host = None if topo is None else (lambda c, order: code_s(world, sh, topo, u, c, order))
+    lay = choose(p, inner, sub_nodes, shared, team_size, placement, layout, causal, host)
     name = next(n for n, order in ORDERS.items() if tuple(order(p, lay.team_size)) == lay.order)
     seconds = None if topo is None else (estimate(lay, inner, sub_nodes, shared, causal)
                                          + _all_to_all(sh, u, nodes, topo)
-                                         + topo.profile.host_s(world, u, lay.team_size, name))
+                                         + code_s(world, sh, topo, u, lay.team_size, name))
     return Plan(u, lay.team_size, name, seconds, lay)
 
 

@@ -226,10 +226,13 @@ def estimate(lay: Layout, sh: Shard, nodes: list[int], topo: Topology, causal: b
 
 
 def choose(world: int, sh: Shard, nodes: list[int], topo: Topology | None, team_size: int | str,
-           placement: str, layout: str = "zigzag", causal: bool = True) -> Layout:
+           placement: str, layout: str = "zigzag", causal: bool = True, host=None) -> Layout:
     """The Layout for a placement rule and a team size (an int, or "auto" to let the cost model pick).
 
     ``topo`` is needed for "auto" (team size or placement); ``nodes`` gives each CP rank's node.
+    ``host(c, order name)``: seconds the cost model adds to a layout's estimate besides its kernels and
+    bytes (choice.plan: the profile's host work of the plan, host.py), so that "auto" weighs the two slot
+    orders of one C, and the team sizes, by the same seconds the plan is priced at; None adds nothing.
     """
     if placement not in PLACEMENTS:
         raise ValueError(f"placement={placement!r} is not one of {PLACEMENTS}")
@@ -239,10 +242,15 @@ def choose(world: int, sh: Shard, nodes: list[int], topo: Topology | None, team_
     candidates = []
     for c in sizes:
         orders = ["team-major"] if placement == "contiguous" else list(ORDERS)
-        lays = [Layout(world, c, ORDERS[o](world, c), layout) for o in orders]
+        # An order giving the same slots as an earlier one is that layout again (and host work is
+        # measured under the first name only: choice.candidates).
+        lays = [(Layout(world, c, ORDERS[o](world, c), layout), o) for i, o in enumerate(orders)
+                if ORDERS[o](world, c) not in [ORDERS[e](world, c) for e in orders[:i]]]
         if placement == "node-aware":
-            lays = [min(lays, key=lambda lay: inter_node_bytes(lay, sh, nodes))]
+            lays = [min(lays, key=lambda lo: inter_node_bytes(lo[0], sh, nodes))]
         candidates += lays
     if len(candidates) == 1:
-        return candidates[0]
-    return min(candidates, key=lambda lay: estimate(lay, sh, nodes, topo, causal))
+        return candidates[0][0]
+    extra = host or (lambda c, order: 0.0)
+    return min(candidates, key=lambda lo: estimate(lo[0], sh, nodes, topo, causal)
+               + extra(lo[0].team_size, lo[1]))[0]

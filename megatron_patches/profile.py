@@ -24,6 +24,8 @@ attention benchmark's rows). The JSON file (``FORMAT``) is what ``--wallfacer-pr
                    "bwd_causal": ...},                  # per curve: b·h heads per call -> points
      "overlap": 0.7, "gemm_tflops": 0.02,
      "host": {"8 1 2 team-major": 0.012, ...},           # host.py: seconds per plan "P U C order"
+     "memory": {"gbytes": 4.1, "rows": 16, "row_bytes": {"8 1 2 team-major": 260000, ...},
+                "trace_bytes": 2048},                    # memory.py: traffic per row, copy bandwidth
      "provenance": {...}}
 
 A collective on g ranks moving n bytes per rank on a link of β s/byte costs α_g + β·n·(g−1)/g / e_g: e_g = 1
@@ -42,6 +44,9 @@ Host work (host.py): the seconds a plan's forward + backward spends besides its 
 on the code path at 16 rows per rank less the model's price of that tiny problem, keyed "P U C order"
 (choice.plan_s adds it). Optional: a profile without it (the spec model, or one calibrated with
 ``--host-rows 0``) prices no host work, and Profile.host_s says 0 for a plan it does not hold.
+Memory traffic (memory.py), optional the same way: per plan the bytes per row per rank its code moves
+outside the kernel blocks (traced), the rows host.py's run already holds, the b·h·d·elt of the trace,
+and the copy bandwidth measured in the profile's clock; Profile.memory_s prices it.
 """
 
 from __future__ import annotations
@@ -153,6 +158,7 @@ class Profile:
     node_gbytes: float | None = None
     provenance: dict = field(default_factory=dict)
     host: dict = field(default_factory=dict)  # host.plan_key -> seconds
+    memory: dict = field(default_factory=dict)  # {"gbytes", "rows", "trace_bytes", "row_bytes": {key: B}}
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -179,10 +185,32 @@ class Profile:
             if not isinstance(key, str) or len(key.split()) != 4:
                 raise ValueError(f"profile host key {key!r} must be 'P U C order'")
             _number(t, f"host[{key!r}]", 0.0)
+        if self.memory:
+            if set(self.memory) != {"gbytes", "rows", "trace_bytes", "row_bytes"} \
+                    or not isinstance(self.memory["row_bytes"], dict):
+                raise ValueError(f"profile memory={self.memory!r} must be {{gbytes, rows, trace_bytes, "
+                                 f"row_bytes: {{'P U C order': bytes}}}}")
+            for name in ("gbytes", "trace_bytes"):
+                _number(self.memory[name], f"memory.{name}", 0.0, strict=True)
+            _number(self.memory["rows"], "memory.rows", 0.0)
+            for key, n in self.memory["row_bytes"].items():
+                if not isinstance(key, str) or len(key.split()) != 4:
+                    raise ValueError(f"profile memory.row_bytes key {key!r} must be 'P U C order'")
+                _number(n, f"memory.row_bytes[{key!r}]", 0.0)
 
     def host_s(self, world: int, u: int, c: int, order: str) -> float:
         """Host seconds of one forward + backward of the plan (host.py), 0 where not measured."""
         return self.host.get(f"{world} {u} {c} {order}", 0.0)
+
+    def memory_s(self, world: int, u: int, c: int, order: str, rows: int, row_bytes: float) -> float:
+        """Seconds of the plan's memory traffic outside its kernels (memory.py) at ``rows`` rows per rank of
+        ``row_bytes`` = b·h·d·elt each: the traced bytes per row scaled from the trace's row size, for the
+        rows above those host_s holds, at the measured copy bandwidth; 0 where not measured."""
+        m = self.memory
+        per_row = m.get("row_bytes", {}).get(f"{world} {u} {c} {order}")
+        if per_row is None:
+            return 0.0
+        return per_row * max(rows - m["rows"], 0) * row_bytes / m["trace_bytes"] / (m["gbytes"] * 1e9)
 
     def collective(self, kind: str, g: int) -> Collective:
         """The measured (α, efficiency) of ``kind`` on g ranks; an unmeasured g takes the nearest measured
@@ -225,7 +253,7 @@ def from_json(raw: dict, source: str = "<profile>") -> Profile:
                 if isinstance(got, str) and got.startswith(FORMAT[:-1]) else ""
             raise ValueError(f"format={got!r} must be {FORMAT!r}{again}")
         known = {"format", "source", "description", "ranks_per_node", "intra", "inter", "node_gbytes",
-                 "collectives", "attention", "overlap", "gemm_tflops", "provenance", "host"}
+                 "collectives", "attention", "overlap", "gemm_tflops", "provenance", "host", "memory"}
         if set(raw) - known:
             raise ValueError(f"unknown fields {sorted(set(raw) - known)}")
         colls = {}
@@ -262,7 +290,7 @@ def from_json(raw: dict, source: str = "<profile>") -> Profile:
         return Profile(raw["source"], str(raw.get("description", "")), raw["ranks_per_node"],
                        _link(raw["intra"], "intra"), colls, curves, raw["overlap"], raw["gemm_tflops"],
                        _link(raw.get("inter"), "inter"), raw.get("node_gbytes"), raw.get("provenance") or {},
-                       host)
+                       host, raw.get("memory") or {})
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from megatron_patches import packing
+from megatron_patches import memory, packing
 from megatron_patches.block import backward_calls, forward_calls
 from megatron_patches.groups import WallFacerGroups, cached_groups
 from megatron_patches.rowmap import Call, TeamRows, block_calls, team_rows
@@ -125,6 +125,7 @@ def _merge(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: tor
     lse.copy_(new)
 
 
+@memory.kernel_part()  # priced by the attention curves, not as memory traffic (memory.py)
 def attend(run: Run, q_team: int, q, kv, kv_team: int, o, lse, first: bool = False) -> None:
     """Team queries ``q`` [b,h,C·s,d] against one team's K/V ``kv`` [2, C·s, b, g, d] (rows sorted),
     merged into ``o`` [C, s, b, h, d] (all-gather order) and ``lse`` [b, h, C·s] (sorted).
@@ -139,6 +140,7 @@ def attend(run: Run, q_team: int, q, kv, kv_team: int, o, lse, first: bool = Fal
                 _merge(bhsd(o[member, wire]), lse[:, :, srt], o_b[:, :, res], lse_b[:, :, res])
 
 
+@memory.kernel_part()
 def attend_backward(run: Run, q_team: int, qd, o, lse, kv, kv_team: int, dq, dkv) -> None:
     """Gradients of one block, added into the all-gather-order accumulators dq [C, s, b, h, d] and
     dkv [C, 2, s, b, g, d].

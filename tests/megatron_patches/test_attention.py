@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from commweave import comm
 from megatron_patches.layout import rank_chunks
+from tests.megatron_patches import megatron_state
 
 TOL = 1e-9
 
@@ -75,7 +76,7 @@ def _layer_case(tp, team_size, seq=16, b=2):
 
     world = dist.get_world_size()
     cp = world // tp
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    megatron_state.initialize(tp, cp)
     try:
         torch.manual_seed(0)
         ref = build_module(_spec(team_size, full=True), config=_config(1, tensor_model_parallel_size=tp),
@@ -101,7 +102,7 @@ def _layer_case(tp, team_size, seq=16, b=2):
                 "params": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
                 "wallfacer": type(model.self_attention.core_attention).__name__}
     finally:
-        ps.destroy_model_parallel()
+        megatron_state.release()
 
 
 def _gpt_case(team_size, seq=16, b=2, vocab=64):
@@ -110,7 +111,7 @@ def _gpt_case(team_size, seq=16, b=2, vocab=64):
     from megatron.core.models.gpt import GPTModel
 
     cp = dist.get_world_size()
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=cp)
+    megatron_state.initialize(1, cp)
     try:
         def build(c, full):
             torch.manual_seed(0)
@@ -139,7 +140,7 @@ def _gpt_case(team_size, seq=16, b=2, vocab=64):
                 "loss": abs(total.item() - loss_ref.double().sum().item()),
                 "params": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads)}
     finally:
-        ps.destroy_model_parallel()
+        megatron_state.release()
 
 
 def _assert_close(results):
@@ -210,7 +211,7 @@ def _scale_case(seq=16, b=2):
     from megatron_patches import WallFacerAttention, WallFacerConfig
 
     cp = dist.get_world_size()
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=cp)
+    megatron_state.initialize(1, cp)
     try:
         torch.manual_seed(3)
         q = torch.randn(seq, b, 4, 8, dtype=torch.float64)
@@ -229,7 +230,7 @@ def _scale_case(seq=16, b=2):
                         errors[scale, layer_scaling, layer, mask.name] = (got - want[rows]).abs().max().item()
         return errors
     finally:
-        ps.destroy_model_parallel()
+        megatron_state.release()
 
 
 @pytest.mark.world_size(4)
@@ -253,13 +254,12 @@ def test_gpt_model_cp8_equals_cp1(world, team_size):
 
 def _refusals():
     """Each unsupported setting raises a ValueError naming it (constructor, then forward)."""
-    from megatron.core import parallel_state as ps
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_patches import WallFacerAttention, WallFacerConfig
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=dist.get_world_size())
+    megatron_state.initialize(1, dist.get_world_size())
     try:
         wf, cp = WallFacerConfig(team_size=2), dist.get_world_size()
         errors = []
@@ -288,7 +288,7 @@ def _refusals():
                 errors.append(str(e))
         return errors
     finally:
-        ps.destroy_model_parallel()
+        megatron_state.release()
 
 
 @pytest.mark.world_size(4)

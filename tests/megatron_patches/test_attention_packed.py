@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from commweave import comm
 from megatron_patches import packing
+from tests.megatron_patches import megatron_state
 from tests.megatron_patches.test_attention import _config, _grads, _spec
 from tests.megatron_patches.test_packed import document_attention, params
 
@@ -73,7 +74,7 @@ def _packed_gpt_case(wf, lengths, layout="zigzag", vocab=64):
     from megatron_patches import get_packed_batch_on_this_cp_rank, watch_positions
 
     cp = dist.get_world_size()
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=cp)
+    megatron_state.initialize(1, cp)
     try:
         seq = max(lengths) + cp
         ref, model = _model(1, None, seq, vocab), _model(cp, wf, seq, vocab)
@@ -103,7 +104,7 @@ def _packed_gpt_case(wf, lengths, layout="zigzag", vocab=64):
                 "params": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
                 "padding rows": int((~real).sum())}
     finally:
-        ps.destroy_model_parallel()
+        megatron_state.release()
 
 
 def _wf(**kw):
@@ -132,7 +133,7 @@ def _layout_case(wf_layout, data_layout, watch, seq=16, vocab=64):
     from megatron_patches import watch_positions
 
     cp = dist.get_world_size()
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=cp)
+    megatron_state.initialize(1, cp)
     try:
         ref, model = _model(1, None, seq, vocab), _model(cp, _wf(team_size=2, layout=wf_layout), seq, vocab)
         model.load_state_dict(ref.state_dict())
@@ -156,7 +157,7 @@ def _layout_case(wf_layout, data_layout, watch, seq=16, vocab=64):
         return {"token_loss": (loss - loss_ref[:, rows]).abs().max().item(),
                 "params": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads)}
     finally:
-        ps.destroy_model_parallel()
+        megatron_state.release()
 
 
 @pytest.mark.world_size(4)

@@ -45,6 +45,30 @@ def test_host_work_round_trips_and_is_priced_per_plan(tmp_path):
     assert with_host == [base[0], pytest.approx(base[1] + 0.25, rel=1e-12)]
 
 
+def test_host_work_decides_the_slot_order_within_one_team_size():
+    """auto's order for one C weighs the same seconds the plan is priced at: the faster order by the
+    estimate alone loses once its measured host work exceeds the gap, and the plan's seconds are its own."""
+    from dataclasses import replace
+
+    from megatron_patches.choice import plan, plan_s
+    from megatron_patches.placement import Topology
+    from megatron_patches.volume import Shard
+
+    prof = spec_profile(2, 100.0, 10.0)  # four nodes of 2: the orders cross nodes differently
+    sh, nodes = Shard(512, 1, 8, 8, 64, 4, 4), [r // 2 for r in range(8)]
+    topo = Topology.from_profile(prof)
+    bare = {o: plan_s(8, sh, nodes, topo, 1, 2, o) for o in ("team-major", "ring-major")}
+    fast, slow = sorted(bare, key=bare.get)
+    assert bare[fast] < bare[slow]
+    assert plan(8, sh, nodes, topo, 1, 2).order == fast
+    gap = bare[slow] - bare[fast]
+    for extra, want in ((0.5 * gap, fast), (2 * gap, slow)):
+        topo = Topology.from_profile(replace(prof, host={f"8 1 2 {fast}": extra}))
+        got = plan(8, sh, nodes, topo, 1, 2)
+        assert got.order == want
+        assert got.seconds == pytest.approx(plan_s(8, sh, nodes, topo, 1, 2, want), rel=1e-12)
+
+
 def test_curve_interpolates_log_log_and_holds_at_the_ends():
     c = Curve(((100.0, 1.0), (10000.0, 4.0)))
     assert c.tflops(10.0) == 1.0 and c.tflops(1e6) == 4.0

@@ -89,6 +89,7 @@ class CostModel:
         self.fit, self.quantile, self.horizon = fit, check_quantile(quantile), horizon
         self.ratio = 1.0
         self._samples: deque = deque(maxlen=keep)       # (perf_counter at the chunk's end, r)
+        self._sorted: list[float] | None = None           # the samples' r sorted; None: to sort again
 
     def fitted(self, chunk: Chunk) -> float:
         a, b, e = self.fit
@@ -104,7 +105,10 @@ class CostModel:
         now = time.perf_counter() if now is None else now
         while self._samples and self._samples[0][0] < now - self.horizon:
             self._samples.popleft()
-        rs = sorted(r for _, r in self._samples)
+            self._sorted = None
+        if self._sorted is None:      # sorted once per change, not per chunk the packer prices
+            self._sorted = sorted(r for _, r in self._samples)
+        rs = self._sorted
         q = rs[max(0, math.ceil(len(rs) * self.quantile) - 1)] if rs else 0.0
         return max(self.ratio, q)
 
@@ -115,6 +119,7 @@ class CostModel:
         r = seconds / self.fitted(chunk)
         self.ratio = 0.8 * self.ratio + 0.2 * r
         self._samples.append((time.perf_counter() if now is None else now, r))
+        self._sorted = None
 
     def fade(self) -> None:
         """Once per plan: a slow spell that stopped all prefill fades from the mean."""
@@ -123,3 +128,4 @@ class CostModel:
     def refit(self, fit: tuple[float, float, float]) -> None:
         self.fit, self.ratio = fit, 1.0
         self._samples.clear()
+        self._sorted = None

@@ -28,8 +28,9 @@ two hops.
 
 Where the fill counts travel anyway (``skip_empty_slots``), each rank's S, flag, route hash, capacity and
 schedule ride on them as a header (:data:`HEADER`, :func:`check_headers`): a fixed-size exchange every rank
-issues whatever its shape, so a forward of any schedule ("auto" in drop mode included) needs no agreement
-of its own (ds_plugins.schedules.sync_free) and reads the host once, and a rank whose shape changed still
+issues whatever its shape, so a forward of any schedule ("auto" included; without dropping from its
+second forward on, deciding from the previous forward's headers) needs no agreement of its own
+(ds_plugins.schedules.sync_free) and reads the host once, and a rank whose shape changed still
 meets its peers in that exchange and raises with them.
 """
 

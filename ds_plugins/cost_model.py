@@ -36,8 +36,8 @@ S1 gates the whole batch on every MP rank (ds_plugins.routing): the gate GEMM fo
 two backward GEMMs on the S/N of its block, the gating's element-wise work on all S tokens; its buffer
 holds the most routes one block of S/N tokens sends one expert, min(k·S/E, C)/N in the balanced case.
 
-The agreements on sizes (ds_plugins.agreement) are predicted as "auto" runs the schedules, in drop mode
-(ds_plugins.schedules.sync_free): with the fill counts and ESP = MP (or no MP) the token count and the
+The agreements on sizes (ds_plugins.agreement) are predicted as "auto" runs the schedules in a steady
+state (ds_plugins.schedules.sync_free): with the fill counts and ESP = MP (or no MP) the token count and the
 capacity travel in the fill counts' headers and no schedule agrees on anything else; otherwise every
 schedule agrees on the token count before routing (tiny all-reduces over MP and EP, charged as their α,
 the EP one as an A2A of the same bytes, its latency class; the part "agree"), and S1 on its capacity
@@ -141,8 +141,9 @@ def _gate(costs: OpCosts, sh: LayerShape, backward_tokens: int) -> float:
 
 
 def sync_free(sh: LayerShape) -> bool:
-    """The forward agrees on nothing of its own (ds_plugins.schedules.sync_free, drop mode): the fill
-    counts travel and their headers reach every rank (ESP = MP, or no MP)."""
+    """The forward agrees on nothing of its own (ds_plugins.schedules.sync_free; "auto" without dropping
+    from its second forward on): the fill counts travel and their headers reach every rank (ESP = MP, or
+    no MP)."""
     return sh.skip_empty_slots and (sh.mp == 1 or sh.esp > 1)
 
 

@@ -109,6 +109,9 @@ class ParmMoE(MoE):
         self._setup_error: str | None = None
         self.parm_groups: ParmGroups | None = None
         self.last_schedule: str | None = None
+        self.seen_tokens: int | None = None
+        """The largest token count on the headers of the layer's last forward that passed their check (the
+        same on every rank of the layer, ds_plugins.schedules.sync_free), or None before any."""
 
     @property
     def gate(self):
@@ -166,7 +169,9 @@ class ParmMoE(MoE):
                     selector.fit(self)         # rank here, before a refusal's exchange
                 if error:
                     refuse(self, error)
-                tokens = x.shape[0]
+                # drop mode: every rank's S is the layer's (the headers check it); without dropping the
+                # largest S of the previous forward, the same on every rank (schedules.sync_free)
+                tokens = x.shape[0] if self.gate.drop_tokens else self.seen_tokens
             else:
                 tokens = agreement.tokens(0 if error else x.shape[0], self.gate.training,
                                           self.gate.drop_tokens, self.parm_groups, self.gate.wg.weight.device,

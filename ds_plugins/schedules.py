@@ -18,12 +18,13 @@ the F rows that hold a token instead of all of them (F ≤ k·S·p·s/E rows per
 p·s·C_buf; "deepspeed" all-reduces F·M per expert, not C·p·M); the exchanges keep their fixed sizes.
 
 And the agreement on sizes (ds_plugins.agreement), forward only: none where the forward is sync-free
-(:func:`sync_free`: every fixed schedule, and "auto" in drop mode, with the fill counts and ESP = MP or no
-MP), whose headers carry S, the mode and the capacity; elsewhere S and the training flag before routing
-(AR(mp) of 4 int64, AR(ep) of 6) and, where the capacity depends on the routes (no token dropping; always
-in S1), the capacity after routing (AR(mp) of 2 int64, AR(ep) of 3). The headers are checked in every
-forward that sends them, the route hashes included: MP ranks that route differently raise on every rank
-instead of mixing their slices (S2, S1) or all-reducing rows of different sizes ("deepspeed").
+(:func:`sync_free`: every fixed schedule, and "auto" (without dropping from its second forward on), with
+the fill counts and ESP = MP or no MP), whose headers carry S, the mode and the capacity; elsewhere S and
+the training flag before routing (AR(mp) of 4 int64, AR(ep) of 6) and, where the capacity depends on the
+routes (no token dropping; always in S1), the capacity after routing (AR(mp) of 2 int64, AR(ep) of 3). The
+headers are checked in every forward that sends them, the route hashes included: MP ranks that route
+differently raise on every rank instead of mixing their slices (S2, S1) or all-reducing rows of different
+sizes ("deepspeed").
 
 Every schedule routes exactly as DeepSpeed's gate on all S tokens (ds_plugins.routing) and returns
 ``(output [S, M] replicated over MP, l_aux, exp_counts)``.
@@ -85,6 +86,8 @@ def _expert_pass(layer, x: torch.Tensor, r: routing.Routes, layout, capacity, sc
     else:
         heads, counts = fills.read()                                              # AG(esp) of E int32
         agreed = agreement.check_headers(heads, g, layer.gate.drop_tokens)
+        if _full_view(g):                 # every rank of the layer saw these headers, and passed them
+            layer.seen_tokens = max(h[0] for h in heads)
         if deferred:
             lay = layout(agreed)
             buf = dispatch(x, r.indices, r.locations, e, lay.capacity)
@@ -112,17 +115,24 @@ def sync_free(layer) -> bool:
     routing check all-gathers the routes, sized by S, so ``debug`` is off); (2) every rank of the layer
     runs the same schedule whatever its shape: a fixed one, or "auto" in drop mode, where every rank must
     hold the same S anyway (the headers raise otherwise; the header's schedule word catches the rest); in
-    no-drop mode the EP groups may hold different counts and "auto" decides from their largest, agreed
-    first; (3) the headers reach every rank of the layer: the fill exchange all-gathers over ESP = MP, or
-    there is no MP (with ESP = 1 < MP a rank sees its EP group's headers only); (4) the fill counts travel
-    at all (``skip_empty_slots``). A capacity that depends on the routes (S1's, the no-drop C) rides on
-    the headers too (:func:`_expert_pass`). The layer's settings are agreed at set-up, so every rank of it
-    decides alike.
+    no-drop mode the EP groups may hold different counts, and "auto" decides from a count every rank
+    holds alike (below); (3) the headers reach every rank of the layer: the fill exchange all-gathers over
+    ESP = MP, or there is no MP (with ESP = 1 < MP a rank sees its EP group's headers only); (4) the fill
+    counts travel at all (``skip_empty_slots``). A capacity that depends on the routes (S1's, the no-drop
+    C) rides on the headers too (:func:`_expert_pass`). The layer's settings are agreed at set-up, so
+    every rank of it decides alike.
+
+    "auto" without dropping decides from the largest S of the layer's previous forward
+    (``layer.seen_tokens``): every rank of the layer read the same headers there and passed the same
+    check (or all raised and kept the value before), so every rank holds the same number and picks the
+    same schedule, whatever its own S now. Its first forward, before any header was seen, agrees first.
+    When the shapes repeat this is the pick from this forward's largest S; after a change the pick lags
+    by one forward (a speed difference only: every schedule computes the same function).
     """
     g = layer.parm_groups
     chooses = layer.schedule == "auto" and len(selector.candidates(g)) > 1
     return (layer.skip_empty_slots and not layer.debug and _full_view(g)
-            and (layer.gate.drop_tokens or not chooses))
+            and (layer.gate.drop_tokens or not chooses or layer.seen_tokens is not None))
 
 
 def refuse(layer, error: str) -> None:

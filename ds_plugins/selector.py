@@ -17,8 +17,10 @@ different schedules (which would deadlock) and no forward issues a collective ou
   the agreement for read ones), cached in this process per layout and, when ``cost_cache`` names a file,
   in that JSON file (ds_plugins.cost_cache: every rank reads it, and their outcomes are agreed before any
   is used; a bad or uneven file is one warning on every rank, then the costs are measured);
-- the layer shape: the token count agreed by ds_plugins.agreement (never the local count alone), and the
-  layer's configuration.
+- the layer shape: a token count every rank of the layer holds alike (never the local count alone where
+  the ranks' may differ): in drop mode its own, which the headers check equal on every rank; without
+  dropping the largest of the previous forward's headers (ds_plugins.schedules.sync_free), or in the
+  first forward the largest agreed by ds_plugins.agreement; and the layer's configuration.
 
 Fitting needs no autograd, so it also works under ``torch.no_grad()`` and ``torch.inference_mode()``, and
 leaves the RNG state as it found it (its random buffers must not change the gate's draws); a layer
@@ -395,10 +397,10 @@ def layer_shape(layer, tokens: int, dtype: torch.dtype) -> LayerShape:
 
 
 def choose(layer, tokens: int, dtype: torch.dtype) -> str:
-    """The schedule (:func:`candidates`) for this layer and ``tokens`` agreed over its ranks
-    (ds_plugins.agreement) with the least predicted forward + backward time.
+    """The schedule (:func:`candidates`) for this layer and ``tokens``, a count every rank of the layer
+    holds alike (module docstring), with the least predicted forward + backward time.
 
-    A pure function of that agreed count, the layer's configuration and the costs fitted at set-up, so it
+    A pure function of that count, the layer's configuration and the costs fitted at set-up, so it
     is the same on every rank of the layer and issues no collective (unless the layer was switched to
     "auto" after its set-up: then the first call fits, on the layer's own groups).
     """

@@ -5,6 +5,7 @@
     python -m benchmarks.moe_sweep --compare RUN1.json RUN2.json   # two runs' fits side by side
     python -m benchmarks.moe_sweep --rescore FITS.json TIMED.json  # one run's costs, another's times
     python -m benchmarks.moe_sweep --quick      # 3 cells, one per layout (the CI smoke test)
+    python -m benchmarks.moe_sweep --cells 0-17,40  # a subset of the 54 (indices into cells())
 
 The paper swept 1,296 layer configurations; this is a fractional design scaled to 4 CPU ranks (fp32,
 gloo, one World for every cell). Factors and levels:
@@ -80,6 +81,20 @@ def quick_cells() -> list[Config]:
     """One small cell per layout: every row's code path, in seconds."""
     return [replace(Config(), tp=tp, ep=ep, experts=4, k=2, capacity_factor=1.25, hidden=64, ffn=128,
                     tokens=64, chunks=2) for tp, ep in LAYOUTS]
+
+
+def parse_cells(text: str) -> list[int]:
+    """``--cells``: comma-separated indices and ranges ("0-17,40") into :func:`cells`, each once, in order."""
+    n, out = len(cells()), []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not (lo.isdigit() and (hi.isdigit() or not hi)):
+            raise argparse.ArgumentTypeError(f"--cells {text!r}: {part!r} is not an index or a range a-b")
+        a, b = int(lo), int(hi or lo)
+        if not a <= b < n:
+            raise argparse.ArgumentTypeError(f"--cells {text!r}: {part!r} must lie in 0-{n - 1}, low to high")
+        out += [i for i in range(a, b + 1) if i not in out]
+    return out
 
 
 def rows_for(cfg: Config) -> tuple[str, ...]:
@@ -303,6 +318,8 @@ def picks(configs: list[Config], cost_cache: str | None) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="3 small cells (CI smoke test)")
+    p.add_argument("--cells", default=None, type=parse_cells,
+                   help="a subset of the 54 cells: indices into cells(), e.g. 0-17,40")
     p.add_argument("--iters", type=int, default=None,
                    help=f"timed rounds per cell (default {ROUNDS}, quick 2)")
     p.add_argument("--warmup", type=int, default=1)
@@ -316,6 +333,8 @@ def main(argv: list[str] | None = None) -> None:
                    "make on run TIMED's cells, scored on TIMED's step times")
     args = p.parse_args(argv)
     configs = quick_cells() if args.quick else cells()
+    if args.cells is not None and not args.quick:
+        configs = [configs[i] for i in args.cells]
     if args.compare:
         moe_sweep_stability.compare(*args.compare)
     elif args.rescore:

@@ -38,3 +38,12 @@ def test_quick_cells_run_every_row(world):
         assert cell["best"] in sweep.SCHEDULES and cell["best_vs_ds"] > 0
         assert cell["calls"]["ds"] > 0 and cell["bytes"]["parm"] > 0
         assert statistics.median(res["parm auto"]["ms"]) > 0
+
+
+def test_cells_option_takes_indices_and_ranges_and_refuses_the_rest():
+    assert sweep.parse_cells("0-2,40,1") == [0, 1, 2, 40]
+    assert sweep.parse_cells("53") == [53]
+    for bad, why in (("54", "must lie in 0-53"), ("3-1", "low to high"), ("a", "not an index"),
+                     ("1,,2", "not an index"), ("-1", "not an index")):
+        with pytest.raises(sweep.argparse.ArgumentTypeError, match=why):
+            sweep.parse_cells(bad)

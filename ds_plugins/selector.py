@@ -5,18 +5,19 @@ different schedules (which would deadlock) and no forward issues a collective ou
 (under pipeline parallelism the other stages are busy with other layers):
 
 - the fitted costs: when the layer is set up (``set_deepspeed_parallelism``, which ``deepspeed.initialize``
-  and ``ds_plugins.initialize`` call), every rank of the layer runs a short micro-benchmark (a few
-  seconds on CPU): each collective the schedules use, on the layer's own process groups, from 64 B to
-  8 MiB (FSMoE §6.2: fp32 buffers, α and β by least squares); two collectives on different groups at once,
-  for the overlap inefficiency γ; a GEMM, a copy and dispatch + combine forward and backward (called
-  directly, without autograd), for the local work; one pass of the schedules' own chunked exchange code
-  on a tiny buffer, for the per-call overhead δ that the lined-up collectives miss. Each rank keeps the
-  median of 5 runs per point, the ranks agree on the median of those over the layer's MP and EP groups,
-  and only the agreed times are fitted (relative-error least squares, :func:`fit_relative`), so every
-  rank holds bit-identical numbers; they are MAX-reduced over the same groups (a no-op on fitted numbers,
-  the agreement for read ones), cached in this process per layout and, when ``cost_cache`` names a file,
-  in that JSON file (ds_plugins.cost_cache: every rank reads it, and their outcomes are agreed before any
-  is used; a bad or uneven file is one warning on every rank, then the costs are measured);
+  and ``ds_plugins.initialize`` call), every rank of the layer runs a short micro-benchmark (a few seconds
+  on CPU): each collective the schedules use, on the layer's own process groups, from 64 B to 8 MiB (FSMoE
+  §6.2: fp32 buffers, α and β by least squares); two collectives on different groups at once, for the
+  overlap inefficiency γ; a GEMM, a copy and dispatch + combine forward and backward (called directly,
+  without autograd), for the local work, each run repeating its call back to back for at least
+  :data:`WINDOW_S` (the share of a core a step's compute gets); one pass of the schedules' own chunked
+  exchange code on a tiny buffer, for the per-call overhead δ that the lined-up collectives miss. Each rank
+  keeps the median of 5 runs per point, the ranks agree on the median of those over the layer's MP and EP
+  groups, and only the agreed times are fitted (relative-error least squares, :func:`fit_relative`), so
+  every rank holds bit-identical numbers; they are MAX-reduced over the same groups (a no-op on fitted
+  numbers, the agreement for read ones), cached in this process per layout and, when ``cost_cache`` names a
+  file, in that JSON file (ds_plugins.cost_cache: every rank reads it, and their outcomes are agreed before
+  any is used; a bad or uneven file is one warning on every rank, then the costs are measured);
 - the layer shape: a token count every rank of the layer holds alike (never the local count alone where
   the ranks' may differ): in drop mode its own, which the headers check equal on every rank; without
   dropping the largest of the previous forward's headers (ds_plugins.schedules.sync_free), or in the
@@ -31,6 +32,7 @@ layer's first rank.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -61,6 +63,13 @@ GEMM_ROWS = (16, 128, 1024, 2048)
 COPY_ELEMENTS = (1 << 12, 1 << 16, 1 << 19, 1 << 21)
 ROUTE_TOKENS = (64, 256, 1024, 4096)
 EXCHANGE_CHUNKS = 4
+WINDOW_S = 0.02
+"""Seconds each timed run of a local-work point lasts at least (:meth:`_Bench.steady`): calls repeated
+back to back, the time divided by their number. A layer's step computes for tens to hundreds of ms at
+a stretch, and where the ranks outnumber the cores each rank then gets its share of a core; a lone call
+shorter than the scheduler's slice (a few ms) runs on a core of its own. Timed one call at a time, the
+GEMM points of 4 ranks on 2 cores gave 0.015 ns/flop below 1 ms and 0.028 above 15 ms, and the fit,
+weighted to every point alike, priced a step's GEMMs at 0.55-0.6x their time (issue 23, parm-6)."""
 """Chunks of the exchange pass timed for the per-call overhead (:meth:`_Bench.exchange`)."""
 
 _fitted: dict[str, OpCosts] = {}
@@ -196,6 +205,20 @@ class _Bench:
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
+    def steady(self, fn) -> float:
+        """Seconds per call of ``fn`` over runs of at least :data:`WINDOW_S` (as many calls back to back
+        as that takes, counted from one untimed call), the median of :data:`REPEATS` runs."""
+        self._sync()
+        t0 = time.perf_counter()
+        fn()
+        self._sync()
+        calls = max(1, math.ceil(WINDOW_S / max(time.perf_counter() - t0, 1e-6)))
+
+        def run() -> None:
+            for _ in range(calls):
+                fn()
+        return self.time(run) / calls
+
     def collective(self, name: str) -> tuple[list[float], list[float]]:
         """(bytes n as the ledger counts them, times) of one modelled collective ("a2a@ep", "ag@esp", ...)
         at :data:`SIZES`; no points for a group this layer does not have."""
@@ -239,15 +262,15 @@ class _Bench:
         for rows in GEMM_ROWS:
             x = torch.randn(rows, 512, device=self.device)
             gemm[0].append(2 * rows * 512 * 512)
-            gemm[1].append(self.time(lambda x=x: x @ w))
+            gemm[1].append(self.steady(lambda x=x: x @ w))
         for n in COPY_ELEMENTS:
             src = torch.randn(8, n // 2048, 256, device=self.device)
             mem[0].append(n * 4)
-            mem[1].append(self.time(lambda src=src: src.transpose(0, 1).contiguous()))
+            mem[1].append(self.steady(lambda src=src: src.transpose(0, 1).contiguous()))
         for tokens in ROUTE_TOKENS:
             fn, n = _route_step(tokens, self.device)
             route[0].append(n)
-            route[1].append(self.time(fn))
+            route[1].append(self.steady(fn))
         return {"gemm": gemm, "mem": mem, "route": route}
 
     def exchange(self) -> tuple[cost_model.LayerShape, float]:

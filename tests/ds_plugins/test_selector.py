@@ -116,3 +116,17 @@ def test_relative_fit_keeps_small_calls_and_large_ones():
     rel, ols = selector.fit_relative(sizes, noisy), cost.fit(sizes, noisy).model
     assert abs(rel.alpha - alpha) < 0.05 * alpha < abs(ols.alpha - alpha)
     assert selector.fit_relative(sizes, [1e-3] * 5) == cost.AlphaBeta(1e-3, 0.0)   # flat: no slope
+
+
+def test_local_work_is_timed_over_runs_of_at_least_the_window(monkeypatch):
+    """A call shorter than the window runs back to back until the run lasts WINDOW_S; the time per call
+    comes back (on a clock that a call moves by 3 ms: one untimed call, then REPEATS runs of 7 calls)."""
+    clock = [0.0]
+    monkeypatch.setattr(selector.time, "perf_counter", lambda: clock[0])
+
+    def work():
+        clock[0] += 0.003
+    bench = object.__new__(selector._Bench)      # no groups: local work only
+    bench.device = torch.device("cpu")
+    assert bench.steady(work) == pytest.approx(0.003)
+    assert clock[0] == pytest.approx(0.003 * (1 + selector.REPEATS * 7))     # ceil(20 / 3) = 7

@@ -63,6 +63,7 @@ GEMM_ROWS = (16, 128, 1024, 2048)
 COPY_ELEMENTS = (1 << 12, 1 << 16, 1 << 19, 1 << 21)
 ROUTE_TOKENS = (64, 256, 1024, 4096)
 EXCHANGE_CHUNKS = 4
+"""Chunks of the exchange pass timed for the per-call overhead (:meth:`_Bench.exchange`)."""
 WINDOW_S = 0.02
 """Seconds each timed run of a local-work point lasts at least (:meth:`_Bench.steady`): calls repeated
 back to back, the time divided by their number. A layer's step computes for tens to hundreds of ms at
@@ -70,7 +71,6 @@ a stretch, and where the ranks outnumber the cores each rank then gets its share
 shorter than the scheduler's slice (a few ms) runs on a core of its own. Timed one call at a time, the
 GEMM points of 4 ranks on 2 cores gave 0.015 ns/flop below 1 ms and 0.028 above 15 ms, and the fit,
 weighted to every point alike, priced a step's GEMMs at 0.55-0.6x their time (issue 23, parm-6)."""
-"""Chunks of the exchange pass timed for the per-call overhead (:meth:`_Bench.exchange`)."""
 
 _fitted: dict[str, OpCosts] = {}
 _decisions: dict[tuple, dict] = {}

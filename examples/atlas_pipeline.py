@@ -146,16 +146,15 @@ _PIPE_SYNCS: list[tuple[object, list[float]]] = []   # the running OptimizerStep
 
 def _watch_pipe_all_reduce() -> None:
     """Wrap ``deepspeed.comm.all_reduce`` (once per process) so that a call on the running
-    OptimizerStep's pipe group adds its seconds there; every other call passes straight through."""
+    OptimizerStep's pipe group adds its seconds there; every other call passes straight through.
+    Its parameters are (tensor, op, group, ...); its ``timed_op`` wrapper hides them from inspect."""
     import functools
-    import inspect
 
     import deepspeed.comm as ds_comm
 
     if getattr(ds_comm.all_reduce, "_atlas_pipe_sync", False):
         return
     original = ds_comm.all_reduce
-    signature = inspect.signature(original)
 
     @functools.wraps(original)
     def all_reduce(*args, **kwargs):
@@ -164,7 +163,7 @@ def _watch_pipe_all_reduce() -> None:
         group, spent = _PIPE_SYNCS[-1]
         t0 = time.perf_counter()
         out = original(*args, **kwargs)
-        if signature.bind(*args, **kwargs).arguments.get("group") is group:
+        if kwargs.get("group", args[2] if len(args) > 2 else None) is group:
             spent.append(time.perf_counter() - t0)
         return out
 

@@ -27,7 +27,13 @@ instruction order, blocking gloo send/recv that rendezvous: launch/plan/deepspee
   are predicted beside them too (``--no-earlier-fit`` skips that): on this shared machine they
   drifted with the load (2.7 MB/s for one connection at 40 ms where the cells got 4.1, README);
 - the cell's compute: each stage's median ForwardPass (+ LoadMicroBatch) and BackwardPass, and its
-  ReduceGrads + OptimizerStep, as the ranks timed them (inputs, like a profile: nothing is fitted).
+  ReduceGrads + OptimizerStep less the time in the step's all-reduces over the two stages, as the
+  ranks timed them (inputs, like a profile: nothing is fitted);
+- gloo's receiver-driven rendezvous (launch.plan.rendezvous): the WAN's one-way latency (half the
+  median minrtt of the cell's WAN connections, ss) delays a transfer whose receive is posted late,
+  and the step's all-reduces over the stages (gradient clipping's norm: DeepSpeed's default 1.0;
+  as many as the ranks counted) are tiny messages to and from stage 0. ``no rdv`` is the
+  prediction without these two terms, the step's measured time taken whole (the model before them).
 
 Each cell also prints the kernel's view of its WAN sockets (ss: the advertised window snd_wnd and
 the socket buffers rb/tb), the check that the run's window is the one the buffers cap it at. The
@@ -87,14 +93,26 @@ def in_run_modes(ranks: list[dict], variants: list[str], key: str = "pingpong_s"
     return {v: {**every, key: mode} for v, (key, mode) in own.items()}
 
 
-def predict(ranks: list[dict], variant: str, act_bytes: int, link_Bps: float, modes: dict
-            ) -> tuple[float, list]:
-    """The simulator's seconds per step for a cell, and the compute inputs it used (see the docstring)."""
-    from launch.plan.calibrated import LinkMode, WanSetting, compute_inputs, step_seconds
+def predict(ranks: list[dict], variant: str, act_bytes: int, link_Bps: float, modes: dict,
+            rendezvous: bool = True) -> tuple[float, list]:
+    """The simulator's seconds per step for a cell, and the compute inputs it used (see the docstring).
+    ``rendezvous`` False: the model before gloo's recv-ready notice and the step's all-reduces over the
+    stages were modelled (launch.plan.rendezvous), the step's measured time taken whole, waits included
+    (printed beside the prediction, for comparison)."""
+    from launch.net.sockets import one_way_s
+    from launch.plan.calibrated import LinkMode, WanSetting, compute_inputs, pipe_syncs, step_seconds
 
-    compute = compute_inputs([(r["stage"], r["variants"][variant]["ops"]) for r in ranks], 2)
+    ops = [(r["stage"], r["variants"][variant]["ops"]) for r in ranks]
+    terms = {}
+    if rendezvous:
+        terms = {"one_way": one_way_s([c for r in ranks for c in r["variants"][variant]["link"]["tcp"]]),
+                 "syncs": pipe_syncs([o for _, o in ops])}
+    else:
+        ops = [(s, {k: v for k, v in o.items() if not k.startswith("PipeSync")}) for s, o in ops]
+    compute = compute_inputs(ops, 2)
     return step_seconds(compute, REPLICAS, MICRO_BATCHES, act_bytes, link_Bps,
-                        LinkMode.from_measured(modes, variant, act_bytes), WanSetting.parse(variant)), compute
+                        LinkMode.from_measured(modes, variant, act_bytes), WanSetting.parse(variant),
+                        **terms), compute
 
 
 def window_seen(ranks: list[dict], variant: str) -> dict:
@@ -184,7 +202,9 @@ def run(rtts: list[float], acts: list[int], conns: list[int], steps: int,
                             "predicted_s": pred, "compute": comp, "link": modes[v],
                             "tcp": window_seen(ranks, v),
                             "beside_s": predict(ranks, v, rows * hidden * 4, links[rtt_ms]["link_Bps"],
-                                                beside[v])[0]}
+                                                beside[v])[0],
+                            "no_rendezvous_s": predict(ranks, v, rows * hidden * 4, links[rtt_ms]["link_Bps"],
+                                                       modes[v], rendezvous=False)[0]}
                     if earlier:
                         cell["earlier_s"] = predict(ranks, v, rows * hidden * 4, earlier["link_Bps"],
                                                     earlier["modes"])[0]
@@ -225,7 +245,7 @@ def report(r: dict) -> None:
           "other ranks computing their stage without pause (launch.net.pingpong.Beside); tcp: the largest "
           "advertised window (snd_wnd) and socket buffers (rb/tb) of its WAN connections (ss)")
     print(f"{'RTT':>4} {'act':>6} {'variant':<12} {'measured':>9} {'predicted':>9} {'error':>7}  "
-          + f"{'beside':>9} {'error':>7}  "
+          + f"{'beside':>9} {'error':>7}  {'no rdv':>8} {'error':>7}  "
           + (f"{'earlier fit':>11} {'error':>7}  " if earlier else "")
           + f"{'F0/B0/F1/B1 ms':<16} {'this cell: alpha + rate':<22} tcp snd_wnd/rb/tb KiB")
     groups, within = {}, []
@@ -241,6 +261,7 @@ def report(r: dict) -> None:
         print(f"{c['rtt_ms']:>4g} {c['act_kib']:>4}Ki {c['variant']:<12} {c['measured_s']:>8.3f}s "
               f"{c['predicted_s']:>8.3f}s {err:>+7.1%}  "
               f"{c['beside_s']:>8.3f}s {c['beside_s'] / c['measured_s'] - 1:>+7.1%}  "
+              f"{c['no_rendezvous_s']:>7.3f}s {c['no_rendezvous_s'] / c['measured_s'] - 1:>+7.1%}  "
               + (f"{c['earlier_s']:>10.3f}s {c['earlier_s'] / c['measured_s'] - 1:>+7.1%}  "
                  if earlier else "")
               + f"{ms:<16} {own['alpha_s'] * 1e3:>3.0f} ms + {own['Bps'] / 1e6:>5.1f} MB/s      "
@@ -270,8 +291,9 @@ def report(r: dict) -> None:
                 gains[f"{rtt:g}ms/{kib}KiB/{k}conn"] = {
                     "measured": round(sp["measured_s"] / tp["measured_s"], 3),
                     "predicted": round(sp["predicted_s"] / tp["predicted_s"], 3)}
-    print(f"within ±{TOLERANCE:.0%}: {sum(within)}/{len(within)}; rankings: "
-          f"{misranked if misranked else 'same in every group'}")
+    before = sum(abs(c["no_rendezvous_s"] / c["measured_s"] - 1) <= TOLERANCE for c in cells)
+    print(f"within ±{TOLERANCE:.0%}: {sum(within)}/{len(within)} (without the rendezvous terms: {before}); "
+          f"rankings: {misranked if misranked else 'same in every group'}")
     print("temporal gain (spatial s / temporal s): " + ", ".join(
         f"{k} measured {v['measured']:.2f}x predicted {v['predicted']:.2f}x" for k, v in gains.items()))
     print("load (/proc/loadavg 1/5/15 min) before the matrix and after each launch: "

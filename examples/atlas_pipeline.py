@@ -116,16 +116,59 @@ def train(steps: int, plan, wan_setup=None) -> list[float]:
 
 def time_instructions(engine, seconds: dict[str, list[float]]) -> None:
     """Time every instruction DeepSpeed's engine executes, by instruction name, into ``seconds``.
-    The engine looks its instructions up in ``self._INSTRUCTION_MAP``: an instance copy wraps them."""
+    The engine looks its instructions up in ``self._INSTRUCTION_MAP``: an instance copy wraps them.
+    Each OptimizerStep also records ``PipeSync`` (the seconds spent in its all-reduces over the
+    pipeline's stages, mostly waiting for the other stages: the simulator models these,
+    launch.plan.rendezvous) and ``PipeSync.calls`` (how many it ran)."""
+    pipe_group = engine.mpu.get_model_parallel_group() if engine.num_stages > 1 else None
+    _watch_pipe_all_reduce()
 
     def timed(name, fn):
         def run(self, **kwargs):
+            if name == "OptimizerStep":
+                _PIPE_SYNCS.append((pipe_group, []))
             t0 = time.perf_counter()
-            fn(self, **kwargs)
+            try:
+                fn(self, **kwargs)
+            finally:
+                syncs = _PIPE_SYNCS.pop()[1] if name == "OptimizerStep" else None
             seconds.setdefault(name, []).append(time.perf_counter() - t0)
+            if syncs is not None:
+                seconds.setdefault("PipeSync", []).append(sum(syncs))
+                seconds.setdefault("PipeSync.calls", []).append(len(syncs))
         return run
 
     engine._INSTRUCTION_MAP = {cls: timed(cls.__name__, fn) for cls, fn in engine._INSTRUCTION_MAP.items()}
+
+
+_PIPE_SYNCS: list[tuple[object, list[float]]] = []   # the running OptimizerStep: (pipe group, seconds)
+
+
+def _watch_pipe_all_reduce() -> None:
+    """Wrap ``deepspeed.comm.all_reduce`` (once per process) so that a call on the running
+    OptimizerStep's pipe group adds its seconds there; every other call passes straight through.
+    Its parameters are (tensor, op, group, ...); its ``timed_op`` wrapper hides them from inspect."""
+    import functools
+
+    import deepspeed.comm as ds_comm
+
+    if getattr(ds_comm.all_reduce, "_atlas_pipe_sync", False):
+        return
+    original = ds_comm.all_reduce
+
+    @functools.wraps(original)
+    def all_reduce(*args, **kwargs):
+        if not _PIPE_SYNCS or _PIPE_SYNCS[-1][0] is None:
+            return original(*args, **kwargs)
+        group, spent = _PIPE_SYNCS[-1]
+        t0 = time.perf_counter()
+        out = original(*args, **kwargs)
+        if kwargs.get("group", args[2] if len(args) > 2 else None) is group:
+            spent.append(time.perf_counter() - t0)
+        return out
+
+    all_reduce._atlas_pipe_sync = True
+    ds_comm.all_reduce = all_reduce
 
 
 def measure(plan, variants: list[str], steps: int, warmup: int, hidden: int, rows: int,

@@ -14,8 +14,12 @@ carrying 1/25 of the link as Linux's default buffers (2 MiB effective) do on two
 (400 Mbit/s here, 128 KiB buffers). Each row carries the calibrated simulator's prediction
 (launch.plan.calibrated): the link's rate (32 plain TCP streams, benchmarks.wan.link_rate), what one
 transfer costs on it, from ping-pongs by the run's own ranks on its own connections just before its
-timed steps (launch.net.pingpong: stock over DeepSpeed's world group, ATLAS over its WAN groups), and
-each run's own per-instruction compute times as DeepSpeed's engine timed them. The launch itself is
+timed steps (launch.net.pingpong: stock over DeepSpeed's world group, ATLAS over its WAN groups), the
+WAN's one-way latency (half the median ``minrtt`` the kernel reports on the run's WAN connections), and
+each run's own per-instruction compute times as DeepSpeed's engine timed them. gloo's rendezvous is
+receiver-driven (launch.plan.rendezvous): the 4-byte aux-loss tensor each transfer carries after the
+activation costs a round trip, and ZeRO-1's step all-reduces over the two stages (the gradient norm of
+each of its two parameter groups, MoE and the rest: counted in the run). The launch itself is
 launch.net.two_dc's, shared with the calibration matrix.
 """
 
@@ -36,6 +40,9 @@ class PipelineResult(Result):
 ROOT = Path(__file__).resolve().parents[2]
 NODE_TIMEOUT = 900
 MICRO_BATCHES = 4
+# examples/gpt/pipeline.py's stages pass (activation, running aux loss) and DeepSpeed sends a tuple one
+# tensor per call: after the activation, the aux loss, [1] fp32, both ways (it requires grad)
+EXTRA_TENSORS = (4.0,)
 
 
 @dataclass(frozen=True)
@@ -80,7 +87,8 @@ def pipeline_rows(deepspeed_config: str, connections: int = 8, wan: Wan = Wan(),
     from benchmarks.wan import link_rate
     from launch.net import two_dc
     from launch.net.pingpong import combine
-    from launch.plan.calibrated import LinkMode, WanSetting, compute_inputs, step_seconds
+    from launch.net.sockets import one_way_s
+    from launch.plan.calibrated import LinkMode, WanSetting, compute_inputs, pipe_syncs, step_seconds
 
     args = ["--deepspeed_config", deepspeed_config, "--micro", str(wan.micro),
             "--micro-batches", str(MICRO_BATCHES), *job_args]
@@ -107,13 +115,18 @@ def pipeline_rows(deepspeed_config: str, connections: int = 8, wan: Wan = Wan(),
             act, m = runs[0]["act_bytes"], runs[0]["micro_batches"]
             mode = combine([r["link"]["pingpong_s"] for r in runs if r["link"]["pingpong_s"]], conns)
             modes = {"stock" if row == "stock" else str(conns): mode}
-            predicted = step_seconds(compute, 2, m, act, bandwidth,
-                                     LinkMode.from_measured(modes, setting, act), WanSetting.parse(setting))
-            free = step_seconds(compute, 2, m, act, 1e18, LinkMode(0.0, 1e18), WanSetting.parse(setting))
+            one_way = one_way_s([c for r in runs for c in r["link"]["tcp"]])
+            syncs = pipe_syncs([r["ops"] for r in runs])
+            own = LinkMode.from_measured(modes, setting, act)
+            predicted = step_seconds(compute, 2, m, act, bandwidth, own, WanSetting.parse(setting),
+                                     one_way=one_way, extra_tensors=EXTRA_TENSORS, syncs=syncs)
+            free = step_seconds(compute, 2, m, act, 1e18, LinkMode(0.0, 1e18), WanSetting.parse(setting),
+                                extra_tensors=EXTRA_TENSORS, syncs=syncs)
             rows.append((_result(name, runs, predicted, free),
                          f"{what}; predicted {predicted * 1e3:.0f} ms/step (a transfer: "
-                         f"{mode['alpha_s'] * 1e3:.0f} ms + {mode['Bps'] / 1e6:.1f} MB/s, "
-                         "measured in the run)"))
+                         f"{mode['alpha_s'] * 1e3:.0f} ms + {mode['Bps'] / 1e6:.1f} MB/s, one way "
+                         f"{one_way * 1e3:.1f} ms, {syncs} cross-stage all-reduces per step, measured in "
+                         "the run)"))
         lost = {k: v for k, v in link.drops().items() if v and not k.startswith("tcp_retrans")}
     if lost:     # the emulator itself lost packets: the WAN was not what it claims to be
         rows = [(res, f"{what}; WAN emulator drops {lost}") for res, what in rows]

@@ -100,6 +100,16 @@ def tcp_info(remote: set[str] | None = None, text: str | None = None) -> list[di
     return out
 
 
+def one_way_s(connections: list[dict]) -> float:
+    """A path's one-way latency in seconds: half the median ``minrtt`` (ms) of :func:`tcp_info`'s
+    connections over it (the kernel's smallest RTT sample of each: the path without queueing)."""
+    rtts = sorted(c["minrtt"] for c in connections if c.get("minrtt"))
+    if not rtts:
+        raise ValueError("one_way_s: no connection reports a minrtt (ss -ti); is anything connected?")
+    mid = len(rtts) // 2
+    return (rtts[mid] if len(rtts) % 2 else (rtts[mid - 1] + rtts[mid]) / 2) / 2e3
+
+
 def socket_inodes(fd_dir: str = "/proc/self/fd") -> set[int]:
     """Inodes of the sockets this process holds."""
     return set(_socket_fds(fd_dir))

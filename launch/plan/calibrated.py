@@ -9,11 +9,16 @@ What a prediction takes, and where each figure comes from (nothing here is fitte
   less than in a bulk transfer, and alpha carries the wake-ups of a busy host. k connections give
   each connection rate/k; several transfers on one link share it per connection (fluid.py);
 - the compute: each stage's forward (with LoadMicroBatch), backward and end-of-batch step
-  (ReduceTiedGrads + ReduceGrads + OptimizerStep), as DeepSpeed's engine timed them
+  (ReduceTiedGrads + ReduceGrads + OptimizerStep less the time its all-reduces over the pipeline's
+  stages took, which is mostly waiting on the other stages), as DeepSpeed's engine timed them
   (:func:`compute_inputs` of the per-instruction medians examples/atlas_pipeline.py records): inputs,
   as a profile is;
 - the schedule: DeepSpeed's own instruction order with blocking rendezvous send/recv
-  (launch/plan/deepspeed_schedule.py), spatial or temporal sharing, ``connections`` per WAN pair.
+  (launch/plan/deepspeed_schedule.py), spatial or temporal sharing, ``connections`` per WAN pair;
+  gloo's receiver-driven rendezvous (launch.plan.rendezvous) with the path's one-way latency (half
+  the connections' ``minrtt``, measured in the run): each further tensor of a stage's output tuple
+  costs a round trip, and the step's all-reduces over the stages (as many as the run's
+  OptimizerStep made, ``PipeSync.calls``) are tiny messages to and from stage 0.
 """
 
 from __future__ import annotations
@@ -102,16 +107,31 @@ def compute_inputs(ops_by_rank: Sequence[tuple[int, Mapping[str, float]]], stage
         def med(*names, ops=ops):
             return statistics.median(sum(o.get(n, 0.0) for n in names) for o in ops)
 
-        out.append(StageCompute(med("ForwardPass", "LoadMicroBatch"), med("BackwardPass"),
-                                med("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")))
+        ends = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
+        step = statistics.median(sum(o.get(n, 0.0) for n in ends) - o.get("PipeSync", 0.0) for o in ops)
+        out.append(StageCompute(med("ForwardPass", "LoadMicroBatch"), med("BackwardPass"), step))
     return out
 
 
+def pipe_syncs(ops_by_rank: Sequence[Mapping[str, float]]) -> int:
+    """How many all-reduces over the pipeline's stages each OptimizerStep ran (``PipeSync.calls`` of
+    every rank: a count, the same on every rank since each is a collective over them)."""
+    counts = {round(o.get("PipeSync.calls", 0.0)) for o in ops_by_rank}
+    if len(counts) != 1:
+        raise ValueError(f"pipe_syncs: ranks report different PipeSync.calls {sorted(counts)}: each is a "
+                         "collective over the pipeline's stages, every rank runs the same number")
+    return counts.pop()
+
+
 def step_seconds(compute: Sequence[StageCompute], replicas: int, micro_batches: int, act_bytes: float,
-                 bandwidth: float, mode: LinkMode, wan: WanSetting, wan_boundary: int | None = None) -> float:
+                 bandwidth: float, mode: LinkMode, wan: WanSetting, wan_boundary: int | None = None,
+                 one_way: float = 0.0, extra_tensors: Sequence[float] = (), syncs: int = 0) -> float:
     """Seconds per ``train_batch`` of a DeepSpeed pipeline whose boundary ``wan_boundary`` (default: the
     middle one) crosses a WAN of ``bandwidth`` bytes/s, where one transfer alone costs ``mode``; the
-    other boundaries stay inside a data center (taken as free)."""
+    other boundaries stay inside a data center (taken as free). ``one_way``: the WAN's one-way latency
+    (gloo's recv-ready notice and a tiny message's trip; 0: not modelled); ``extra_tensors``: bytes of
+    the further tensors of each stage's output tuple; ``syncs``: the optimizer step's all-reduces over
+    the stages (:func:`pipe_syncs`)."""
     S = len(compute)
     if S < 2:
         raise ValueError(f"step_seconds: a pipeline needs >= 2 stages, got {S}")
@@ -126,11 +146,12 @@ def step_seconds(compute: Sequence[StageCompute], replicas: int, micro_batches: 
     sharing = wan.sharing
     if sharing == "temporal" and mode.returns_before_arrival(act_bytes):
         sharing = "spatial"
-    wan_route = Route(mode.alpha, bandwidth, ("a", "b"), streams, mode.rate / streams)
+    wan_route = Route(mode.alpha, bandwidth, ("a", "b"), streams, mode.rate / streams, one_way)
     routes = tuple((wan_route if e == cut else Route(0.0, float("inf")),) * replicas for e in range(S - 1))
     job = Job(tuple((c.forward,) * replicas for c in compute),
               tuple((c.backward,) * replicas for c in compute), routes, act_bytes, micro_batches,
-              "deepspeed", sharing, tuple(Collective(c.step) for c in compute))
+              "deepspeed", sharing, tuple(Collective(c.step) for c in compute),
+              extra_tensors=tuple(extra_tensors), pipe_syncs=syncs)
     return simulate(job).iteration
 
 

@@ -21,17 +21,27 @@ DeepSpeed 0.19's ``PipelineEngine.train_batch`` does on every rank:
   the receiver one latency later. With temporal sharing the sender first waits for its token
   (launch/net/wan_p2p.py holds it for the whole transfer), modelled by the token rings of
   :class:`launch.plan.fluid.WanDirection`.
+- gloo's rendezvous is receiver-driven (launch.plan.rendezvous): with ``Route.notice`` set, a
+  transfer's data leaves at max(send posted, recv posted + notice), and no message lands sooner than
+  the path's one-way latency after it left. A stage whose output is a tuple sends its tensors one
+  blocking call each (``Job.extra_tensors`` after the activation; DeepSpeed's
+  ``_exec_send_activations`` / ``_exec_send_grads``), so each later tensor's receive is posted only
+  once the one before it arrived: a round trip per further tensor with the notice modelled. These
+  small tensors take no temporal-sharing turn (a few bytes).
 - The last step ends with ReduceTiedGrads, ReduceGrads and OptimizerStep: the stage's DP group
   all-reduces its gradients, a collective that starts when every replica of the stage has reached it,
   for ``Collective.seconds`` inside the data centers and, for a group that spans data centers, its WAN
   flows (launch.plan.estimate: ring hops), which share the WAN directions with every transfer still
-  in flight; then the last stage broadcasts the loss to the pipeline's other stages over the pipe
-  group (one one-way latency per boundary on the way back to stage 0).
+  in flight; then each replica's ``Job.pipe_syncs`` one-number all-reduces over its stages
+  (launch.plan.rendezvous.pipe_all_reduce: ZeRO's overflow flag and gradient norm, or the clipping
+  norm); then the last stage broadcasts the loss to the pipeline's other stages over the pipe group
+  (a tiny message per stage, one-way latencies summed over the boundaries on the way).
 
 The same executor runs Megatron-LM's order (``Job(schedule="megatron")``,
 :mod:`launch.plan.megatron_schedule`): its combined calls post a send and a receive at once and wait
-for both, and it has no loss broadcast. These are the schedules the planner ranks layouts by
-(launch.plan.search): DeepSpeed's for ATLAS and the DeepSpeed baseline, Megatron's for the others.
+for both (one tensor each: no ``extra_tensors``), and it has no loss broadcast. These are the
+schedules the planner ranks layouts by (launch.plan.search): DeepSpeed's for ATLAS and the DeepSpeed
+baseline, Megatron's for the others.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from dataclasses import replace
 from itertools import count
 
 from launch.plan.fluid import Flow, WanDirection, link_for
+from launch.plan.rendezvous import pipe_all_reduce, tiny_message
 from launch.plan.timeline import Op
 
 INF = float("inf")
@@ -79,17 +90,19 @@ def train_schedule(stage: int, stages: int, micro_batches: int) -> list[tuple[st
     return out
 
 
-def program(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple]:
+def program(schedule: str, stage: int, stages: int, micro_batches: int, tensors: int = 1) -> list[tuple]:
     """A stage's instructions for the executor: ("F" | "B", m), ("step", -1) or ("p2p", channels), a
-    blocking call that posts every (channel, m) of ``channels`` at once and returns when all are done:
-    DeepSpeed's instructions one transfer per call, Megatron's (launch.plan.megatron_schedule) with its
-    combined send+recv calls."""
+    blocking call that posts every (channel, m[, tensor]) of ``channels`` at once and returns when all
+    are done: DeepSpeed's instructions one call per tensor of the stage's output (``tensors``, in
+    order), Megatron's (launch.plan.megatron_schedule) with its combined send+recv calls."""
     if schedule == "megatron":
         from launch.plan import megatron_schedule
 
         return megatron_schedule.train_schedule(stage, stages, micro_batches)
-    return [(k, m) if k in ("F", "B", "step") else ("p2p", ((k, m),))
-            for k, m in train_schedule(stage, stages, micro_batches)]
+    out = []
+    for k, m in train_schedule(stage, stages, micro_batches):
+        out += [(k, m)] if k in ("F", "B", "step") else [("p2p", ((k, m, i),)) for i in range(tensors)]
+    return out
 
 
 def run(job) -> tuple[float, list[tuple], list[Op], float]:
@@ -131,7 +144,8 @@ class _Engine:
     def __init__(self, job) -> None:
         self.job = job
         S, D = job.stages, job.replicas
-        self.prog = [program(job.schedule, s, S, job.micro_batches) for s in range(S)]
+        self.prog = [program(job.schedule, s, S, job.micro_batches, 1 + len(job.extra_tensors))
+                     for s in range(S)]
         self.pc = [[0] * D for _ in range(S)]
         self.heap: list[tuple] = []
         self.seq = count()
@@ -139,6 +153,7 @@ class _Engine:
         self.posted: dict[tuple, tuple[str, float]] = {}   # channel -> (side already posted, when)
         self.waiting = [[[0, 0.0] for _ in range(D)] for _ in range(S)]   # [calls left, latest end]
         self.stepping: dict[int, list] = {}   # stage -> [rows in "step", start, end so far, flows left]
+        self.syncing: dict[tuple[int, int], list] = {}   # (replica, sync) -> each stage's entry time
         self.crossing = [[d for d in range(D) if job.routes[e][d].wan] for e in range(S - 1)]
         self.pos = [{d: i for i, d in enumerate(c)} for c in self.crossing]
         self.finished = [[INF] * D for _ in range(S)]
@@ -163,7 +178,11 @@ class _Engine:
                 for f in link.advance(t):
                     self._flow_done(f, t)
             while self.heap and self.heap[0][0] <= t + _EPS:
-                _, _, (s, d) = heapq.heappop(self.heap)
+                _, _, what = heapq.heappop(self.heap)
+                if what[0] == "start":        # a transfer whose receiver's notice has reached the sender
+                    self._start(what[1], t)
+                    continue
+                _, s, d = what
                 self.pc[s][d] += 1
                 self._advance(s, d, t)
         stuck = [(s, d, self.prog[s][self.pc[s][d]]) for s in range(S) for d in range(D)
@@ -172,17 +191,17 @@ class _Engine:
             raise RuntimeError(f"simulate: {job.schedule}'s schedule deadlocked at {stuck[:4]}")
         end = max(max(row) for row in self.finished)
         if job.schedule == "deepspeed":
-            # DeepSpeed's last stage broadcasts the loss back along the pipeline (one hop per boundary)
+            # DeepSpeed's last stage broadcasts the loss to every other stage of its pipe group
             for d in range(D):
-                back = self.finished[S - 1][d]
+                h = n = 0.0
                 for s in range(S - 2, -1, -1):
-                    back += job.routes[s][d].latency
-                    end = max(end, back)
+                    h, n = h + job.routes[s][d].one_way, n + job.routes[s][d].notice
+                    end = max(end, tiny_message(self.finished[S - 1][d], self.finished[s][d], h, n)[1])
         return end, self.transfers, self.timeline, sum(link.carried for link in self.links.values())
 
     def _wake(self, s: int, d: int, t: float) -> None:
         """Row (s, d) completes its current instruction at ``t``."""
-        heapq.heappush(self.heap, (t, next(self.seq), (s, d)))
+        heapq.heappush(self.heap, (t, next(self.seq), ("row", s, d)))
 
     def _advance(self, s: int, d: int, t: float) -> None:
         """Start row (s, d)'s current instruction at ``t``."""
@@ -199,10 +218,11 @@ class _Engine:
             self._step(s, t)
         else:
             self.waiting[s][d] = [len(m), t]
-            for name, mb in m:
+            for name, mb, *tensor in m:
                 fwd = name.endswith("act")
                 e = (s if name == "send_act" else s - 1) if fwd else (s - 1 if name == "send_grad" else s)
-                self._post((e, fwd, mb, d), "send" if name.startswith("send") else "recv", t)
+                side = "send" if name.startswith("send") else "recv"
+                self._post((e, fwd, mb, d, *(tensor or (0,))), side, t)
 
     def _step(self, s: int, t: float) -> None:
         """A row of stage s entered the end-of-batch step: the DP group's gradient all-reduce starts
@@ -226,7 +246,28 @@ class _Engine:
         for d in range(self.job.replicas):
             if end > start:
                 self.timeline.append(Op(s, d, "allreduce", start, end))
-            self._wake(s, d, end)
+            if self.job.pipe_syncs:
+                self._sync(s, d, 0, end)
+            else:
+                self._wake(s, d, end)
+
+    def _sync(self, s: int, d: int, k: int, t: float) -> None:
+        """Row (s, d) entered its step's k-th all-reduce over replica d's stages at ``t``; once every
+        stage has, each leaves it when launch.plan.rendezvous says, for the next one or the step's end."""
+        arrived = self.syncing.setdefault((d, k), [None] * self.job.stages)
+        arrived[s] = t
+        if any(a is None for a in arrived):
+            return
+        h, n = [0.0], [0.0]
+        for e in range(self.job.stages - 1):      # stage e + 1 to stage 0, boundary by boundary
+            r = self.job.routes[e][d]
+            h.append(h[-1] + r.one_way)
+            n.append(n[-1] + r.notice)
+        for stage, done in enumerate(pipe_all_reduce(arrived, h, n)):
+            if k + 1 < self.job.pipe_syncs:
+                self._sync(stage, d, k + 1, done)
+            else:
+                self._wake(stage, d, done)
 
     def _link(self, src: str, dst: str, bandwidth: float, stream_cap: float, t: float) -> WanDirection:
         return link_for(self.links, src, dst, bandwidth, stream_cap, t)
@@ -239,20 +280,28 @@ class _Engine:
             return
         if other[0] == side:
             raise RuntimeError(f"simulate: two {side}s on one channel {channel}")
-        self._start(channel, t)
+        # gloo moves no data before the receiver's notice has reached the sender
+        recv_at = other[1] if side == "send" else t
+        start = max(t, recv_at + self.job.routes[channel[0]][channel[3]].notice)
+        if start > t + _EPS:
+            heapq.heappush(self.heap, (start, next(self.seq), ("start", channel)))
+        else:
+            self._start(channel, t)
 
     def _start(self, channel: tuple, t: float) -> None:
-        e, fwd, m, d = channel
-        r, nbytes = self.job.routes[e][d], self.job.act_bytes
+        e, fwd, m, d, i = channel
+        r = self.job.routes[e][d]
+        nbytes = self.job.act_bytes if i == 0 else self.job.extra_tensors[i - 1]
         if r.wan is None:
             done = t + nbytes / min(r.bandwidth, r.streams * r.stream_cap)
-            self.transfers.append((e, fwd, m, d, t, t, done, r.latency, False))
-            self._delivered(channel, done, done + r.latency)
+            if i == 0:
+                self.transfers.append((e, fwd, m, d, t, t, done, r.latency, False))
+            self._delivered(channel, done, max(done + r.latency, t + r.one_way))
             return
         src, dst = r.wan if fwd else r.wan[::-1]
         link = self._link(src, dst, r.bandwidth, r.stream_cap, t)
         flow = Flow(channel, t, nbytes, r.streams, r.latency)
-        if self.job.sharing == "temporal":
+        if self.job.sharing == "temporal" and i == 0:
             link.add(flow, t, ring=(e, fwd), token=m * len(self.crossing[e]) + self.pos[e][d])
         else:
             link.add(flow, t)
@@ -265,17 +314,19 @@ class _Engine:
             if state[3] == 0:
                 self._step_done(f.key[1])
             return
-        e, fwd, m, d = f.key
-        self.transfers.append((e, fwd, m, d, f.released, f.started, f.done, f.latency, True))
+        e, fwd, m, d, i = f.key
+        arrives = max(f.arrives, f.started + self.job.routes[e][d].one_way)   # no byte lands sooner
+        if i == 0:
+            self.transfers.append((e, fwd, m, d, f.released, f.started, f.done, f.latency, True))
         src, dst = (e, e + 1) if fwd else (e + 1, e)
         self.timeline.append(Op(src, d, "send", f.started, f.done, m))
-        self.timeline.append(Op(dst, d, "recv", f.started + f.latency, f.arrives, m))
-        self._delivered(f.key, f.done, f.arrives)
+        self.timeline.append(Op(dst, d, "recv", f.started + f.latency, arrives, m))
+        self._delivered(f.key, f.done, arrives)
 
     def _delivered(self, channel: tuple, sent: float, arrived: float) -> None:
         """The sender's side of a call is done when its last byte left, the receiver's when it arrived;
         a row's call returns when every transfer it posted is done."""
-        e, fwd, _m, d = channel
+        e, fwd, _m, d, _i = channel
         src, dst = (e, e + 1) if fwd else (e + 1, e)
         for s, done in ((src, sent), (dst, arrived)):
             w = self.waiting[s][d]

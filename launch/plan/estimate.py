@@ -19,6 +19,10 @@ GPU: weights and grads in n bytes and fp32 Adam state (12 bytes) per parameter, 
 in-flight activations (stage s keeps min(pp − s, M) micro-batches), plus NCCL's staging buffers
 (launch.plan.socket_limits.nccl_buffer_memory: NCCL_BUFFSIZE on every communicator; under ATLAS's launcher
 BUFFSIZE is raised for the WAN and each WAN neighbour adds a pair group and a token ring).
+Under an engine's schedule (DeepSpeed, Megatron) with more than one stage, the optimizer step
+all-reduces the gradient norm over each replica's stages once (:data:`PIPE_SYNCS`: both engines clip at
+1.0 by default, DeepSpeed's ``gradient_clipping`` and Megatron's ``clip_grad``; a one-number message to
+stage 0 and back, launch.plan.rendezvous), the same for every system the planner compares.
 """
 
 from __future__ import annotations
@@ -28,10 +32,14 @@ from dataclasses import dataclass, fields
 from itertools import pairwise
 
 from commweave import cost
-from launch.plan.simulate import Collective, Job, Route, WanFlow
+from launch.plan.simulate import ENGINES, Collective, Job, Route, WanFlow
 from launch.plan.socket_limits import STRIPE_MIN_BYTES, nccl_buffer_memory, nccl_buffsize, nccl_communicators
 from launch.plan.topology import DataCenter, Topology, WanLink
 
+# one-number all-reduces over a replica's stages per optimizer step, at the engines' default clipping
+# (DeepSpeed fp32/bf16 without ZeRO: clip_grad_norm_'s; Megatron: get_grad_norm_fp32's): ZeRO-1/2 would
+# add one per further parameter group (launch.plan.calibrated counts them in a run)
+PIPE_SYNCS = 1
 _MODEL_KEYS = {"layers", "hidden", "seq", "micro_batch", "global_batch", "dtype_bytes", "pp", "tp", "dp"}
 
 
@@ -247,8 +255,10 @@ def build(topo: Topology, model: ModelSpec, lay: Layout, window: float, schedule
                 row.append(Route(w.latency, w.bandwidth, (a, b), tp * conns, link_window(w, window) / w.rtt))
         routes.append(tuple(row))
     colls = tuple(_allreduce(topo, model, lay, s, window) for s in range(lay.pp))
-    return Job(tuple(t_f), tuple(t_b), tuple(routes), A, model.micro_batches(dp), schedule or lay.schedule,
-               lay.sharing, colls)
+    schedule = schedule or lay.schedule
+    syncs = PIPE_SYNCS if schedule in ENGINES and lay.pp > 1 else 0
+    return Job(tuple(t_f), tuple(t_b), tuple(routes), A, model.micro_batches(dp), schedule, lay.sharing,
+               colls, pipe_syncs=syncs)
 
 
 def _allreduce(topo: Topology, model: ModelSpec, lay: Layout, s: int, window: float) -> Collective:

@@ -56,6 +56,15 @@ class Route:
     wan: tuple[str, str] | None = None   # None: a private path inside a data center
     streams: int = 1                  # TCP connections the transfer is striped over
     stream_cap: float = INF           # bytes/s one connection reaches (window/RTT)
+    notice: float = 0.0               # gloo's recv-ready notice, one way: a send moves no data before
+                                      # the receiver's notice reached it (launch.plan.rendezvous);
+                                      # 0: data moves once both sides are in the call
+
+    @property
+    def one_way(self) -> float:
+        """Seconds a message of a few bytes takes: the path's one-way latency (``latency`` may be a
+        fitted transfer intercept below it; the notice travels the path's whole latency)."""
+        return max(self.latency, self.notice)
 
     def alone(self, nbytes: float) -> float:
         """Seconds from the first byte sent to the last byte received with the path to itself."""
@@ -95,6 +104,12 @@ class Job:
     sharing: str = "temporal"                 # "temporal" | "spatial" (WAN p2p transfers)
     collectives: tuple[Collective, ...] = ()  # per stage (empty: none)
     blocking_sends: bool = True               # a row waits for its send to complete (see module doc)
+    # the engine executors only (deepspeed_schedule.py): bytes of each further tensor a DeepSpeed p2p
+    # instruction sends after the activation, one blocking call each (a stage's output tuple, e.g. the
+    # main job's (activation, aux loss)); and how many one-number all-reduces over each replica's
+    # stages its optimizer step runs (launch.plan.rendezvous: ZeRO-1/2 2, clipping alone 1)
+    extra_tensors: tuple[float, ...] = ()
+    pipe_syncs: int = 0
 
     @property
     def stages(self) -> int:
@@ -118,6 +133,15 @@ class Job:
             raise ValueError(f"Job.schedule={self.schedule!r}: use one of {SCHEDULES}")
         if self.sharing not in ("temporal", "spatial"):
             raise ValueError(f"Job.sharing={self.sharing!r}: use 'temporal' or 'spatial'")
+        if self.pipe_syncs < 0 or any(b < 0 for b in self.extra_tensors):
+            raise ValueError(f"Job: pipe_syncs={self.pipe_syncs} and extra_tensors={self.extra_tensors} "
+                             "must be >= 0")
+        if self.pipe_syncs and self.schedule not in ENGINES:
+            raise ValueError(f"Job: pipe_syncs={self.pipe_syncs} needs an engine schedule {ENGINES}, got "
+                             f"schedule={self.schedule!r}")
+        if self.extra_tensors and self.schedule != "deepspeed":
+            raise ValueError(f"Job: extra_tensors={self.extra_tensors} needs schedule='deepspeed' "
+                             f"(Megatron's p2p sends one tensor), got schedule={self.schedule!r}")
         if self.collectives and len(self.collectives) != S:
             raise ValueError(f"Job.collectives has {len(self.collectives)} entries for {S} stages")
 

@@ -44,6 +44,9 @@ def test_pipeline_rows_across_two_emulated_data_centers():
     assert "1 TCP connection" in stock_what and "4 TCP connections, spatial sharing" in fast_what
     # each row's prediction from its own ranks' ping-pongs and op timings: above the free-WAN one
     assert all("measured in the run" in what for what in (stock_what, fast_what))
+    # ZeRO-1's step all-reduces the gradient norm of each of its two parameter groups (MoE experts, the
+    # rest) over the two stages: counted by every rank's OptimizerStep (launch.plan.rendezvous)
+    assert all("2 cross-stage all-reduces per step" in what for what in (stock_what, fast_what))
     assert all(res.predicted_ms > res.free_wan_ms > 0 for res in (stock, fast))
     assert atlas.same_losses(rows)                       # ATLAS moves the same bytes: identical losses
     assert stock.losses[-1] < stock.losses[0]

@@ -55,3 +55,14 @@ def test_tcp_info_reads_windows_and_buffers():
     assert far["cc"] == "bbr" and far["peer"] == "10.201.0.2" and far["local"] == "10.201.0.1:38729"
     assert "rtt" not in far            # "rtt:41.2/0.5" is smoothed/variance, not one number
     assert [c["cc"] for c in sockets.tcp_info(None, SS)] == ["bbr", "cubic"]
+
+
+def test_one_way_is_half_the_median_minrtt():
+    (far,) = sockets.tcp_info({"10.201.0.2"}, SS)
+    assert sockets.one_way_s([far]) == pytest.approx(40.05 / 2e3)
+    # median of 40, 41, 80 ms (one queued sample) and a connection without the field
+    conns = [{"minrtt": 41.0}, {"minrtt": 80.0}, {"minrtt": 40.0}, {"cwnd": 10}]
+    assert sockets.one_way_s(conns) == pytest.approx(0.0205)
+    assert sockets.one_way_s(conns[:2]) == pytest.approx((41.0 + 80.0) / 4e3)
+    with pytest.raises(ValueError, match="no connection reports a minrtt"):
+        sockets.one_way_s([{"cwnd": 10}])

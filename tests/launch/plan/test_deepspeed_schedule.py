@@ -122,3 +122,36 @@ def test_identical_replicas_run_once_on_a_share_of_the_link():
 
 def _op_key(o):
     return o.stage, o.replica, o.kind, o.micro_batch, round(o.start, 9), round(o.end, 9)
+
+
+def test_gloo_notices_a_tuples_second_tensor_and_the_steps_pipe_all_reduce():
+    """The hand-derived case above with gloo's recv-ready notice (0.5 one way), a second, empty tensor
+    per transfer (each its own call, posted once the first returned) and one all-reduce over the two
+    stages in the step (launch.plan.rendezvous).
+    act 0: S0 sends 1..2, lands 2.5; its 2nd tensor: S0 waits from 2, S1 posts at 2.5, notice at 3.0,
+      lands 3.5. S0 F1 3-4, recv posted 4. S1 F0 3.5-4.5, B0 4.5-6.5; grad 0 6.5..7.5, lands 8; 2nd:
+      S1 from 7.5, S0 posts 8, sent 8.5, lands 9. act 1: S1's recv (8.5) noticed at 9.0 = S0's send:
+      9..10, lands 10.5; 2nd sent 11, lands 11.5. S0 B0 11-13. S1 F1 11.5-12.5, B1 12.5-14.5; grad 1
+      14.5..15.5 lands 16; 2nd sent 16.5 lands 17. S0 B1 17-19.
+    All-reduce: S1 in at 16.5, S0 at 19: S1's value leaves at 19.5, lands 20; the sum back at 20,
+    S1 out at 20.5. Loss: S1 sends at 20.5 (S0's notice from 20 is there), S0 has it at 21."""
+    job = replace(_job(Route(0.5, 1.0, notice=0.5)), extra_tensors=(0.0,), pipe_syncs=1)
+    r = simulate(job)
+    assert r.iteration == pytest.approx(21.0)
+    ops = {(o.stage, o.kind, o.micro_batch): (o.start, o.end) for o in r.ops}
+    assert ops[(0, "backward", 1)] == pytest.approx((17.0, 19.0))
+    assert ops[(1, "backward", 1)] == pytest.approx((12.5, 14.5))
+    assert ops[(0, "backward", 0)] == pytest.approx((11.0, 13.0))
+    got = {(t.fwd, t.m): [t.started, t.done, t.arrives] for t in r.transfers}   # the first tensors
+    want = {(True, 0): [1, 2, 2.5], (False, 0): [6.5, 7.5, 8], (True, 1): [9, 10, 10.5],
+            (False, 1): [14.5, 15.5, 16]}
+    assert sorted(got) == sorted(want)
+    for key, times in want.items():
+        assert got[key] == pytest.approx(times)
+    # without the notice a late receive costs one latency, not a round trip
+    plain = simulate(replace(job, routes=((Route(0.5, 1.0),),))).iteration
+    assert plain < r.iteration
+    with pytest.raises(ValueError, match="needs schedule='deepspeed'"):
+        replace(job, schedule="megatron")
+    with pytest.raises(ValueError, match="pipe_syncs=1 needs an engine schedule"):
+        replace(job, extra_tensors=(), schedule="1f1b")

@@ -49,6 +49,7 @@ import tempfile
 import time
 
 from benchmarks.sleeping_chunks import SleepingChunks
+from benchmarks.start_rules import attribute, check_pairs, compare, rule_of
 from commweave.world import World
 from launch.bubbletea.windows import WAITS
 
@@ -151,6 +152,7 @@ def bench_rank(cfg: dict) -> dict:
     step = 0
     pauses = GCPauses()
     collected = {a: [0.0, 0, 0.0] for a in ("stock", "on", "profile")}   # GC ms, full GCs, longest ms
+    on_spans = []                         # (start, end) of every on iteration (--versus-quantile)
 
     def run(arm: str) -> float:
         nonlocal step
@@ -162,6 +164,8 @@ def bench_rank(cfg: dict) -> dict:
         t0 = time.perf_counter()
         engine.train_batch(batches)
         wall = time.perf_counter() - t0
+        if arm == "on":
+            on_spans.append((t0, t0 + wall))
         c = collected[arm]
         c[0], c[1] = c[0] + 1e3 * (pauses.seconds - before), c[1] + pauses.full - full
         c[2] = max(c[2], 1e3 * pauses.longest)
@@ -176,9 +180,16 @@ def bench_rank(cfg: dict) -> dict:
         bt.plan, bt.windows_from = simulated_windows(cfg, bt, engine), cfg["windows"]
     orders = list(itertools.permutations(("stock", "on", "profile")))
     walls = {a: [] for a in orders[0]}
+    rules = start_rules(cfg)
+    cycle_rules = [rule_of(i, rules) if rules else rules for i in range(cfg["pairs"])]
     for i in range(cfg["pairs"]):
         for arm in orders[i % len(orders)]:
+            if arm == "on" and rules:             # before the iteration's plan, which prices with it
+                server.set_tail_quantile(cycle_rules[i])
             walls[arm].append(run(arm))
+    if rules:
+        server.set_tail_quantile(rules[0])
+    compared = list(on_spans)
     # steady: at least --steady iterations, more (up to 10x) until every rank finished 3 prompts
     # submitted in this phase, so that their time to first token is measured
     t_steady, n, finished = time.perf_counter(), 0, torch.zeros(1)
@@ -208,7 +219,9 @@ def bench_rank(cfg: dict) -> dict:
         "counters": {k: v for k, v in server.counters().items() if k != "memory"},
         "memory": server.memory, "starved": bt.starved, "window_report": bt.window_report(),
         "dry_s": bt.dry_s, "dry_iterations": bt.dry_iterations, "on_iterations": len(on),
-        "time": where_time_goes(list(its)[cfg["warmup"]:]), "gc": collected,
+        "time": where_time_goes(list(its)[cfg["warmup"]:]), "gc": collected, "cycle_rules": cycle_rules,
+        "rules": attribute(list(server.stats.timings), [(a, b, r) for (a, b), r in
+                                                         zip(compared, cycle_rules, strict=True)]),
     }
     pauses.remove()
     out["tokens_per_s"] = server.stats.tokens / max(sum(it.wall for it in on), 1e-9)
@@ -217,6 +230,13 @@ def bench_rank(cfg: dict) -> dict:
     wan.undo()
     torch.distributed.barrier()
     return out
+
+
+def start_rules(cfg: dict) -> tuple | None:
+    """--versus-quantile: the two start rules the cycles alternate (None: the mean cost), else None."""
+    if cfg.get("versus_quantile") is None:
+        return None
+    return cfg["tail_quantile"] or None, cfg["versus_quantile"] or None
 
 
 def where_time_goes(its: list) -> dict:
@@ -357,6 +377,9 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
           + ("chunks SLEEPING (no work), " if cfg.get("sleeping_chunks") else "") +
           f"guard {cfg['guard_ms']:g} ms, start rule on the "
           + (f"p{100 * cfg['tail_quantile']:g} cost" if cfg["tail_quantile"] else "mean cost")
+          + (" and, every other cycle, on the " + ("mean cost" if not cfg["versus_quantile"] else
+                                                   f"p{100 * cfg['versus_quantile']:g} cost")
+             if start_rules(cfg) else "")
           + f"; nice: training {cfg['nice']}, prefill {cfg['prefill_nice']}"
           + (" + SCHED_IDLE" if cfg["prefill_idle"] else ""))
     print(f"load average before {load_before}, after {load_after}; {cfg['pairs']} cycles "
@@ -389,6 +412,8 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
                "step_s_stock": stock, "step_s_bubbletea": on, "step_s_tracing": prof,
                "utilisation": util_off, "utilisation_bubbletea": util_on, "prefill_tokens_per_s": tok_s,
                "ttft_median_s": _median(ttft), "ttft_p90_s": p90, "load": [load_before, load_after]}
+    if start_rules(cfg):
+        summary["start_rules"] = compare(ranks, start_rules(cfg))
     print(json.dumps(summary))
     return summary
 
@@ -476,6 +501,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tail-quantile", type=float, default=0.9,
                     help="a chunk starts only if its cost at this quantile of the recent measured ones ends "
                          "the guard band before its window closes; 0: its mean cost (launch.bubbletea.cost)")
+    ap.add_argument("--versus-quantile", type=float, default=None,
+                    help="compare start rules in one run: the on iterations alternate, cycle by cycle, "
+                         "between --tail-quantile's rule and this one (0: the mean cost); --pairs a "
+                         "multiple of 12 (benchmarks.start_rules)")
     ap.add_argument("--sleeping-chunks", action="store_true",
                     help="each chunk sleeps the time its shape took once instead of computing: BubbleTea's "
                          "windows, messages and hand-offs without the chunks' work (SleepingChunks)")
@@ -522,8 +551,17 @@ def main(argv: list[str] | None = None) -> None:
     for k in ("pairs", "warmup", "steady", "outstanding", "history"):
         if cfg[k] < (1 if k in ("pairs", "history") else 0):
             raise SystemExit(f"--{k.replace('_', '-')}={cfg[k]} is too small")
-    if not 0.0 <= cfg["tail_quantile"] <= 1.0:
-        raise SystemExit(f"--tail-quantile={cfg['tail_quantile']}: in [0, 1] (0: the mean cost)")
+    for k in ("tail_quantile", "versus_quantile"):
+        if cfg[k] is not None and not 0.0 <= cfg[k] <= 1.0:
+            raise SystemExit(f"--{k.replace('_', '-')}={cfg[k]}: in [0, 1] (0: the mean cost)")
+    if cfg["versus_quantile"] is not None:
+        if cfg["versus_quantile"] == cfg["tail_quantile"]:
+            raise SystemExit(f"--versus-quantile={cfg['versus_quantile']}: the same rule as --tail-quantile;"
+                             " give the other rule to compare")
+        try:
+            check_pairs(cfg["pairs"])
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     if cfg["windows"] != "measured" and cfg["warmup"] < 1:
         raise SystemExit(f"--windows {cfg['windows']} needs --warmup >= 1 (the simulated plan's compute "
                          "times)")

@@ -21,6 +21,7 @@ Messages in (pickled, over a pipe), one per line of the protocol:
     ("drain",)                           prefill everything queued, now
     ("cap", bytes | None)                the KV caches' memory cap (measured by the rank)
     ("recalibrate",)                     time the model again (a cost model that starved the rank)
+    ("quantile", q | None)               the start rule's tail quantile from now on (None: the mean cost)
     ("ping", n)                          reply ("pong", n) once everything before it is done
     ("stop",)
 Messages out: ("ready", fit), ("chunk", t0, t1, tokens, ratio, predicted, deadline, tail) (predicted:
@@ -52,7 +53,7 @@ from multiprocessing.connection import Client, Connection, Listener
 
 import torch
 
-from launch.bubbletea.cost import CostModel, fit_cost
+from launch.bubbletea.cost import CostModel, check_quantile, fit_cost
 from launch.bubbletea.device import synchronize, tensor_bytes
 from launch.bubbletea.packer import Chunk, Request, pack
 from launch.bubbletea.timeline import Window
@@ -180,6 +181,8 @@ class Service:
         elif kind == "recalibrate":
             self.costs.refit(self.calibrate())
             self.emit("fit", self.fit)
+        elif kind == "quantile":                     # the samples stay: both rules see the same machine
+            self.costs.quantile = check_quantile(msg[1])
         elif kind == "ping":
             self.emit("pong", msg[1])
         elif kind == "stop":

@@ -84,6 +84,18 @@ def test_submit_checks_its_input(served):
     server.drain()
 
 
+def test_the_start_rule_is_switched_in_the_running_service(served):
+    """set_tail_quantile checks its value here and hands it to the service, which keeps serving (its effect
+    on the rule: test_cost.py)."""
+    server, _ = served
+    with pytest.raises(ValueError, match=r"tail_quantile=1\.5: must lie in \(0, 1\]"):
+        server.set_tail_quantile(1.5)
+    server.set_tail_quantile(None)
+    server.set_tail_quantile(0.5)
+    server.sync()
+    assert server.error is None and server._proc.poll() is None
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"chunk_tokens": 0}, "chunk_tokens=0: a chunk holds at least one token"),
     ({"guard": -1.0}, "guard=-1.0: the guard band cannot be negative"),

@@ -131,9 +131,10 @@ def bench_rank(cfg: dict) -> dict:
     stage, stages = engine.stage_id, engine.num_stages
     pipeline, spec = None, lm
     if cfg["pipelined"]:           # the inference model's layers split over the training stages
+        from launch.bubbletea.hf_pipelined import split_hf
         from launch.bubbletea.pipelined import pipeline_setup, shared_key, split
 
-        spec = split(lm, stages)[stage]
+        spec = (split_hf if cfg.get("hf") else split)(lm, stages)[stage]
         pipeline = pipeline_setup(stage, stages, "127.0.0.1", shared_key(dist.group.WORLD))
     server = PrefillServer(spec, cfg["chunk"], callback=lambda r: loop(r), guard=cfg["guard_ms"] / 1e3,
                            nice=cfg["prefill_nice"], idle=cfg["prefill_idle"], pipeline=pipeline,
@@ -523,7 +524,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="each rank and its prefill service on its own cores (auto: when there are enough)")
     ap.add_argument("--pipelined", action="store_true",
                     help="split the inference model's layers over the 2 stages (rows between them on "
-                         "loopback)")
+                         "loopback); with --hf/--hf-tiny a GPT-2 or LLaMA model (hf_pipelined)")
     ap.add_argument("--hf", default=None, metavar="DIR",
                     help="prefill this local Hugging Face causal LM (save_pretrained's directory) instead of "
                          "the project's CausalLM")
@@ -575,9 +576,9 @@ def main(argv: list[str] | None = None) -> None:
                          "--atlas puts the two stages in two")
     if cfg["hf"] and cfg["hf_tiny"]:
         raise SystemExit(f"--hf {cfg['hf']} with --hf-tiny {cfg['hf_tiny']}: one model or the other")
-    if (cfg["hf"] or cfg["hf_tiny"]) and cfg["pipelined"]:
-        raise SystemExit("--pipelined splits the project's CausalLM only, not a Hugging Face model (--hf, "
-                         "--hf-tiny)")
+    if cfg["pipelined"] and cfg["sleeping_chunks"]:
+        raise SystemExit("--pipelined with --sleeping-chunks: a sleeping chunk computes no rows for the next "
+                         "stage")
     if cfg["hf"]:
         try:                  # refused here, before any rank starts
             prefill_spec(cfg)

@@ -49,14 +49,20 @@ class StageSpec(SizesFromConfig):
 
 
 def split(cfg: LMConfig, stages: int) -> list[StageSpec]:
-    """Layers in ``stages`` contiguous runs, as even as they go (the first runs one longer)."""
-    if not 1 <= stages <= cfg.layers:
-        raise ValueError(f"split: stages={stages} must lie in 1..{cfg.layers} (LMConfig.layers)")
-    q, r = divmod(cfg.layers, stages)
+    """Layers in ``stages`` contiguous runs (:func:`layer_runs`). A Hugging Face model:
+    :func:`launch.bubbletea.hf_pipelined.split_hf`."""
+    return [StageSpec(cfg, a, b) for a, b in layer_runs(cfg.layers, stages)]
+
+
+def layer_runs(layers: int, stages: int) -> list[tuple[int, int]]:
+    """[a_j, a_{j+1}) for j < ``stages``: contiguous, as even as they go (the first runs one longer)."""
+    if not 1 <= stages <= layers:
+        raise ValueError(f"split: stages={stages} must lie in 1..{layers} (the model's layers)")
+    q, r = divmod(layers, stages)
     bounds = [0]
     for j in range(stages):
         bounds.append(bounds[-1] + q + (j < r))
-    return [StageSpec(cfg, a, b) for a, b in itertools.pairwise(bounds)]
+    return list(itertools.pairwise(bounds))
 
 
 class StageLM(torch.nn.Module):

@@ -82,8 +82,8 @@ def test_a_hugging_face_model_is_the_spec_every_rank_prefills(tmp_path):
         assert (spec.model_type, spec.vocab, spec.max_seq, spec.layers, spec.heads, spec.hidden) == (
             "llama", LMConfig().vocab, 48, 2, 4, 64)
     assert not Path(tiny["hf"]).exists()                 # the temporary directory is gone
-    with pytest.raises(SystemExit, match="--pipelined splits the project's CausalLM only"):
-        bench.main(["--hf-tiny", "gpt2", "--pipelined"])
+    with pytest.raises(SystemExit, match="--pipelined with --sleeping-chunks: a sleeping chunk computes no"):
+        bench.main(["--hf-tiny", "gpt2", "--pipelined", "--sleeping-chunks"])
     with pytest.raises(SystemExit, match="one model or the other"):
         bench.main(["--hf-tiny", "gpt2", "--hf", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"--hf: path=.*not a directory with a config\.json"):

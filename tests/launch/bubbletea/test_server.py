@@ -122,10 +122,18 @@ def test_a_service_free_to_use_other_ranks_cores_is_warned_about():
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU is never more than a rank's share")
 def test_an_unbound_rank_among_several_is_warned(monkeypatch):
+    """Warned before the service starts; the start itself (a process importing torch, ~3 s, which the
+    warning does not need) is cut short at its first step, the window's shared memory."""
+    class Started(Exception):
+        pass
+
+    def start(name):
+        raise Started(name)
+
     monkeypatch.setenv("LOCAL_SIZE", str(2 * (os.cpu_count() or 1)))      # more ranks than cores
-    with pytest.warns(UserWarning, match="Bind cores to ranks"):
-        server = PrefillServer(CFG, chunk_tokens=8, callback=print, cost=(0.01, 0.0, 0.0))
-    server.stop()
+    monkeypatch.setattr(os, "memfd_create", start)
+    with pytest.warns(UserWarning, match="Bind cores to ranks"), pytest.raises(Started, match="bubbletea"):
+        PrefillServer(CFG, chunk_tokens=8, callback=print, cost=(0.01, 0.0, 0.0))
 
 
 def test_measured_cost_model_and_a_failing_callback():

@@ -419,6 +419,10 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
     return summary
 
 
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
     """Per rank: its service's counters, its share of the prefill, its slowdown, plan vs measurement;
     prints the table and a warning for a starved rank (a share under half the even share, or no chunk)."""
@@ -435,7 +439,7 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
                      "tokens_per_s": r["tokens_per_s"],
                      "slowdown": _median([a / b for a, b in zip(r["on"], r["stock"], strict=True)]) - 1,
                      "plan_vs_measured": w["median_rel_diff"], "plan_s": w["plan_s"],
-                     "measured_s": w["measured_s"],
+                     "measured_s": w["measured_s"], "plan_windows": w.get("windows", []),
                      "recalibrated": c["recalibrated"], "kv_cap": r["memory"].get("cap"),
                      "late": c["late"], "late_ms": 1e3 * c["late_s"], "over_tail": c["over_tail"],
                      "cost_ratio_median": c["cost_ratio_median"], "cost_ratio_p90": c["cost_ratio_p90"],
@@ -474,6 +478,10 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
               + ", ".join(f"{arm} {ms:.1f} / {n} / {top:.1f}" for arm, (ms, n, top) in x["gc"].items())
               + "; iterations with a chunk into training, instructions 2 ms over their usual: "
               + str(t["into_slow"]))
+    if cfg["windows"] != "measured":
+        print("Windows per rank, plan / measured ms by instruction (tag): " + "; ".join(
+            f"rank {x['rank']}: " + ", ".join(f"{w['tag']}: {_ms(w['plan_ms'])} / {_ms(w['measured_ms'])}"
+                                              for w in x["plan_windows"]) for x in rows))
     print("Starvation per rank (prefill-on iterations with prompts queued and no chunk run; the service "
           "re-timed after 8 in a row): " + "; ".join(
               f"rank {x['rank']}: {x['dry_iterations']} of {x['on_iterations']} iterations, "

@@ -2,6 +2,7 @@
 
     python -m benchmarks.bubbletea [--wan-ms 10] [--pairs 12] [--replicas R] [--bind auto|on|off] ...
     python -m benchmarks.bubbletea --hf DIR | --hf-tiny llama|gpt2 ...    # a Hugging Face causal LM
+    python -m benchmarks.bubbletea --tail-quantile 0.9 --versus-quantile 0 --pairs 48   # two start rules
 
 A DeepSpeed pipeline (2 stages x ``--replicas`` data-parallel replicas, gloo, one intra-op thread per
 rank, the training of examples/bubbletea_pipeline.py) with an emulated one-way WAN latency on every

@@ -118,9 +118,16 @@ class Rows:
     real: int
 
 
-def pipeline_setup(stage: int, stages: int, host: str, authkey: bytes) -> dict:
-    """The service settings of one stage: a later stage listens on ``host`` (inside the data center)."""
-    return {"listen": host if stage > 0 else None, "authkey": authkey}
+def pipeline_setup(stage: int, stages: int, host: str, authkey: bytes, ahead: int = 2) -> dict:
+    """The service settings of one stage: a later stage listens on ``host`` (inside the data center).
+    ``ahead``: the requests a stage may have started that the next stage has not finished; a stage with
+    that many in flight admits no new request until the next one reports one finished (back-pressure:
+    without it the first stage, whose prompts come from outside, kept finishing its part at its own pace
+    and a later stage with less room in its windows queued requests without bound, 82 in one run of
+    benchmarks.bubbletea --pipelined)."""
+    if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
+        raise ValueError(f"ahead={ahead!r}: a stage must be allowed one request or more in flight downstream")
+    return {"listen": host if stage > 0 else None, "authkey": authkey, "ahead": ahead}
 
 
 def link_stages(server, group, hosts: list[str] | None = None) -> None:

@@ -2,6 +2,7 @@
 equal the whole model's bit for bit — stage by stage in one process, through linked services, and on
 2 CPU ranks prefilling in the bubbles of a DeepSpeed pipeline whose training stays bit-identical."""
 
+import os
 import threading
 import time
 
@@ -192,14 +193,25 @@ def test_a_stage_admits_no_new_request_while_the_next_is_behind():
     assert done(0) == ["a"] and services[0].ahead == {"a"}        # "b" held back: "a" is in flight
     window(0, 2)
     assert done(0) == ["a"]
-    time.sleep(0.2)                                               # the rows cross the loopback link
+
+    def arrived(j):                    # a message over the loopback link: rows, or "finished" coming back
+        deadline = time.monotonic() + 30
+        while boxes[j].empty() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    arrived(1)
     window(1, 1)
     assert done(1) == ["a"]
-    deadline = time.monotonic() + 10
-    while boxes[0].empty() and time.monotonic() < deadline:       # stage 1's "finished" coming back
-        time.sleep(0.01)
+    arrived(0)
     window(0, 3)
     assert done(0) == ["a", "b"] and services[0].ahead == {"b"}
+    import socket
+
+    # shut the link down under its readers (they see EOF and end), then close everything
+    socket.socket(fileno=os.dup(services[0].down.fileno())).shutdown(socket.SHUT_RDWR)
+    deadline = time.monotonic() + 30
+    while any("_forward" in t.name for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
     for conn in (services[0].down, services[1].up, services[1].listener):
         conn.close()
     with pytest.raises(ValueError, match="ahead=0: a stage must be allowed one request or more"):

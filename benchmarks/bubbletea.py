@@ -2,6 +2,7 @@
 
     python -m benchmarks.bubbletea [--wan-ms 10] [--pairs 12] [--replicas R] [--bind auto|on|off] ...
     python -m benchmarks.bubbletea --hf DIR | --hf-tiny llama|gpt2 ...    # a Hugging Face causal LM
+    python -m benchmarks.bubbletea --tail-quantile 0.9 --versus-quantile 0 --pairs 48   # two start rules
 
 A DeepSpeed pipeline (2 stages x ``--replicas`` data-parallel replicas, gloo, one intra-op thread per
 rank, the training of examples/bubbletea_pipeline.py) with an emulated one-way WAN latency on every
@@ -49,6 +50,7 @@ import tempfile
 import time
 
 from benchmarks.sleeping_chunks import SleepingChunks
+from benchmarks.start_rules import attribute, check_pairs, compare, rule_of
 from commweave.world import World
 from launch.bubbletea.windows import WAITS
 
@@ -130,9 +132,10 @@ def bench_rank(cfg: dict) -> dict:
     stage, stages = engine.stage_id, engine.num_stages
     pipeline, spec = None, lm
     if cfg["pipelined"]:           # the inference model's layers split over the training stages
+        from launch.bubbletea.hf_pipelined import split_hf
         from launch.bubbletea.pipelined import pipeline_setup, shared_key, split
 
-        spec = split(lm, stages)[stage]
+        spec = (split_hf if cfg.get("hf") else split)(lm, stages)[stage]
         pipeline = pipeline_setup(stage, stages, "127.0.0.1", shared_key(dist.group.WORLD))
     server = PrefillServer(spec, cfg["chunk"], callback=lambda r: loop(r), guard=cfg["guard_ms"] / 1e3,
                            nice=cfg["prefill_nice"], idle=cfg["prefill_idle"], pipeline=pipeline,
@@ -151,6 +154,7 @@ def bench_rank(cfg: dict) -> dict:
     step = 0
     pauses = GCPauses()
     collected = {a: [0.0, 0, 0.0] for a in ("stock", "on", "profile")}   # GC ms, full GCs, longest ms
+    on_spans = []                         # (start, end) of every on iteration (--versus-quantile)
 
     def run(arm: str) -> float:
         nonlocal step
@@ -162,6 +166,8 @@ def bench_rank(cfg: dict) -> dict:
         t0 = time.perf_counter()
         engine.train_batch(batches)
         wall = time.perf_counter() - t0
+        if arm == "on":
+            on_spans.append((t0, t0 + wall))
         c = collected[arm]
         c[0], c[1] = c[0] + 1e3 * (pauses.seconds - before), c[1] + pauses.full - full
         c[2] = max(c[2], 1e3 * pauses.longest)
@@ -176,9 +182,16 @@ def bench_rank(cfg: dict) -> dict:
         bt.plan, bt.windows_from = simulated_windows(cfg, bt, engine), cfg["windows"]
     orders = list(itertools.permutations(("stock", "on", "profile")))
     walls = {a: [] for a in orders[0]}
+    rules = start_rules(cfg)
+    cycle_rules = [rule_of(i, rules) if rules else rules for i in range(cfg["pairs"])]
     for i in range(cfg["pairs"]):
         for arm in orders[i % len(orders)]:
+            if arm == "on" and rules:             # before the iteration's plan, which prices with it
+                server.set_tail_quantile(cycle_rules[i])
             walls[arm].append(run(arm))
+    if rules:
+        server.set_tail_quantile(rules[0])
+    compared = list(on_spans)
     # steady: at least --steady iterations, more (up to 10x) until every rank finished 3 prompts
     # submitted in this phase, so that their time to first token is measured
     t_steady, n, finished = time.perf_counter(), 0, torch.zeros(1)
@@ -208,7 +221,9 @@ def bench_rank(cfg: dict) -> dict:
         "counters": {k: v for k, v in server.counters().items() if k != "memory"},
         "memory": server.memory, "starved": bt.starved, "window_report": bt.window_report(),
         "dry_s": bt.dry_s, "dry_iterations": bt.dry_iterations, "on_iterations": len(on),
-        "time": where_time_goes(list(its)[cfg["warmup"]:]), "gc": collected,
+        "time": where_time_goes(list(its)[cfg["warmup"]:]), "gc": collected, "cycle_rules": cycle_rules,
+        "rules": attribute(list(server.stats.timings), [(a, b, r) for (a, b), r in
+                                                         zip(compared, cycle_rules, strict=True)]),
     }
     pauses.remove()
     out["tokens_per_s"] = server.stats.tokens / max(sum(it.wall for it in on), 1e-9)
@@ -217,6 +232,13 @@ def bench_rank(cfg: dict) -> dict:
     wan.undo()
     torch.distributed.barrier()
     return out
+
+
+def start_rules(cfg: dict) -> tuple | None:
+    """--versus-quantile: the two start rules the cycles alternate (None: the mean cost), else None."""
+    if cfg.get("versus_quantile") is None:
+        return None
+    return cfg["tail_quantile"] or None, cfg["versus_quantile"] or None
 
 
 def where_time_goes(its: list) -> dict:
@@ -357,6 +379,9 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
           + ("chunks SLEEPING (no work), " if cfg.get("sleeping_chunks") else "") +
           f"guard {cfg['guard_ms']:g} ms, start rule on the "
           + (f"p{100 * cfg['tail_quantile']:g} cost" if cfg["tail_quantile"] else "mean cost")
+          + (" and, every other cycle, on the " + ("mean cost" if not cfg["versus_quantile"] else
+                                                   f"p{100 * cfg['versus_quantile']:g} cost")
+             if start_rules(cfg) else "")
           + f"; nice: training {cfg['nice']}, prefill {cfg['prefill_nice']}"
           + (" + SCHED_IDLE" if cfg["prefill_idle"] else ""))
     print(f"load average before {load_before}, after {load_after}; {cfg['pairs']} cycles "
@@ -389,8 +414,14 @@ def report(cfg: dict, ranks: list[dict], load_before: str, load_after: str) -> d
                "step_s_stock": stock, "step_s_bubbletea": on, "step_s_tracing": prof,
                "utilisation": util_off, "utilisation_bubbletea": util_on, "prefill_tokens_per_s": tok_s,
                "ttft_median_s": _median(ttft), "ttft_p90_s": p90, "load": [load_before, load_after]}
+    if start_rules(cfg):
+        summary["start_rules"] = compare(ranks, start_rules(cfg))
     print(json.dumps(summary))
     return summary
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
 
 
 def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
@@ -409,7 +440,7 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
                      "tokens_per_s": r["tokens_per_s"],
                      "slowdown": _median([a / b for a, b in zip(r["on"], r["stock"], strict=True)]) - 1,
                      "plan_vs_measured": w["median_rel_diff"], "plan_s": w["plan_s"],
-                     "measured_s": w["measured_s"],
+                     "measured_s": w["measured_s"], "plan_windows": w.get("windows", []),
                      "recalibrated": c["recalibrated"], "kv_cap": r["memory"].get("cap"),
                      "late": c["late"], "late_ms": 1e3 * c["late_s"], "over_tail": c["over_tail"],
                      "cost_ratio_median": c["cost_ratio_median"], "cost_ratio_p90": c["cost_ratio_p90"],
@@ -448,6 +479,10 @@ def rank_table(cfg: dict, ranks: list[dict]) -> list[dict]:
               + ", ".join(f"{arm} {ms:.1f} / {n} / {top:.1f}" for arm, (ms, n, top) in x["gc"].items())
               + "; iterations with a chunk into training, instructions 2 ms over their usual: "
               + str(t["into_slow"]))
+    if cfg["windows"] != "measured":
+        print("Windows per rank, plan / measured ms by instruction (tag): " + "; ".join(
+            f"rank {x['rank']}: " + ", ".join(f"{w['tag']}: {_ms(w['plan_ms'])} / {_ms(w['measured_ms'])}"
+                                              for w in x["plan_windows"]) for x in rows))
     print("Starvation per rank (prefill-on iterations with prompts queued and no chunk run; the service "
           "re-timed after 8 in a row): " + "; ".join(
               f"rank {x['rank']}: {x['dry_iterations']} of {x['on_iterations']} iterations, "
@@ -476,6 +511,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tail-quantile", type=float, default=0.9,
                     help="a chunk starts only if its cost at this quantile of the recent measured ones ends "
                          "the guard band before its window closes; 0: its mean cost (launch.bubbletea.cost)")
+    ap.add_argument("--versus-quantile", type=float, default=None,
+                    help="compare start rules in one run: the on iterations alternate, cycle by cycle, "
+                         "between --tail-quantile's rule and this one (0: the mean cost); --pairs a "
+                         "multiple of 12 (benchmarks.start_rules)")
     ap.add_argument("--sleeping-chunks", action="store_true",
                     help="each chunk sleeps the time its shape took once instead of computing: BubbleTea's "
                          "windows, messages and hand-offs without the chunks' work (SleepingChunks)")
@@ -494,7 +533,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="each rank and its prefill service on its own cores (auto: when there are enough)")
     ap.add_argument("--pipelined", action="store_true",
                     help="split the inference model's layers over the 2 stages (rows between them on "
-                         "loopback)")
+                         "loopback); with --hf/--hf-tiny a GPT-2 or LLaMA model (hf_pipelined)")
     ap.add_argument("--hf", default=None, metavar="DIR",
                     help="prefill this local Hugging Face causal LM (save_pretrained's directory) instead of "
                          "the project's CausalLM")
@@ -522,8 +561,17 @@ def main(argv: list[str] | None = None) -> None:
     for k in ("pairs", "warmup", "steady", "outstanding", "history"):
         if cfg[k] < (1 if k in ("pairs", "history") else 0):
             raise SystemExit(f"--{k.replace('_', '-')}={cfg[k]} is too small")
-    if not 0.0 <= cfg["tail_quantile"] <= 1.0:
-        raise SystemExit(f"--tail-quantile={cfg['tail_quantile']}: in [0, 1] (0: the mean cost)")
+    for k in ("tail_quantile", "versus_quantile"):
+        if cfg[k] is not None and not 0.0 <= cfg[k] <= 1.0:
+            raise SystemExit(f"--{k.replace('_', '-')}={cfg[k]}: in [0, 1] (0: the mean cost)")
+    if cfg["versus_quantile"] is not None:
+        if cfg["versus_quantile"] == cfg["tail_quantile"]:
+            raise SystemExit(f"--versus-quantile={cfg['versus_quantile']}: the same rule as --tail-quantile;"
+                             " give the other rule to compare")
+        try:
+            check_pairs(cfg["pairs"])
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     if cfg["windows"] != "measured" and cfg["warmup"] < 1:
         raise SystemExit(f"--windows {cfg['windows']} needs --warmup >= 1 (the simulated plan's compute "
                          "times)")
@@ -537,9 +585,9 @@ def main(argv: list[str] | None = None) -> None:
                          "--atlas puts the two stages in two")
     if cfg["hf"] and cfg["hf_tiny"]:
         raise SystemExit(f"--hf {cfg['hf']} with --hf-tiny {cfg['hf_tiny']}: one model or the other")
-    if (cfg["hf"] or cfg["hf_tiny"]) and cfg["pipelined"]:
-        raise SystemExit("--pipelined splits the project's CausalLM only, not a Hugging Face model (--hf, "
-                         "--hf-tiny)")
+    if cfg["pipelined"] and cfg["sleeping_chunks"]:
+        raise SystemExit("--pipelined with --sleeping-chunks: a sleeping chunk computes no rows for the next "
+                         "stage")
     if cfg["hf"]:
         try:                  # refused here, before any rank starts
             prefill_spec(cfg)

@@ -49,14 +49,20 @@ class StageSpec(SizesFromConfig):
 
 
 def split(cfg: LMConfig, stages: int) -> list[StageSpec]:
-    """Layers in ``stages`` contiguous runs, as even as they go (the first runs one longer)."""
-    if not 1 <= stages <= cfg.layers:
-        raise ValueError(f"split: stages={stages} must lie in 1..{cfg.layers} (LMConfig.layers)")
-    q, r = divmod(cfg.layers, stages)
+    """Layers in ``stages`` contiguous runs (:func:`layer_runs`). A Hugging Face model:
+    :func:`launch.bubbletea.hf_pipelined.split_hf`."""
+    return [StageSpec(cfg, a, b) for a, b in layer_runs(cfg.layers, stages)]
+
+
+def layer_runs(layers: int, stages: int) -> list[tuple[int, int]]:
+    """[a_j, a_{j+1}) for j < ``stages``: contiguous, as even as they go (the first runs one longer)."""
+    if not 1 <= stages <= layers:
+        raise ValueError(f"split: stages={stages} must lie in 1..{layers} (the model's layers)")
+    q, r = divmod(layers, stages)
     bounds = [0]
     for j in range(stages):
         bounds.append(bounds[-1] + q + (j < r))
-    return [StageSpec(cfg, a, b) for a, b in itertools.pairwise(bounds)]
+    return list(itertools.pairwise(bounds))
 
 
 class StageLM(torch.nn.Module):
@@ -112,9 +118,16 @@ class Rows:
     real: int
 
 
-def pipeline_setup(stage: int, stages: int, host: str, authkey: bytes) -> dict:
-    """The service settings of one stage: a later stage listens on ``host`` (inside the data center)."""
-    return {"listen": host if stage > 0 else None, "authkey": authkey}
+def pipeline_setup(stage: int, stages: int, host: str, authkey: bytes, ahead: int = 2) -> dict:
+    """The service settings of one stage: a later stage listens on ``host`` (inside the data center).
+    ``ahead``: the requests a stage may have started that the next stage has not finished; a stage with
+    that many in flight admits no new request until the next one reports one finished (back-pressure:
+    without it the first stage, whose prompts come from outside, kept finishing its part at its own pace
+    and a later stage with less room in its windows queued requests without bound, 82 in one run of
+    benchmarks.bubbletea --pipelined)."""
+    if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
+        raise ValueError(f"ahead={ahead!r}: a stage must be allowed one request or more in flight downstream")
+    return {"listen": host if stage > 0 else None, "authkey": authkey, "ahead": ahead}
 
 
 def link_stages(server, group, hosts: list[str] | None = None) -> None:

@@ -88,7 +88,8 @@ class Stats:
     late_s: float = 0.0          # ... by this much in all
     over_tail: int = 0           # chunks that took longer than the start rule's tail cost for them
     ttft: list = field(default_factory=list)
-    # (measured, predicted) seconds of the most recent chunks: how well the cost model predicts
+    # the most recent chunks, (t0, t1, tokens, predicted, tail, deadline): how well the cost model predicts
+    # (measured t1 - t0 against predicted), and which rule started which chunk (benchmarks.start_rules)
     timings: deque = field(default_factory=lambda: deque(maxlen=10_000))
 
 
@@ -326,6 +327,13 @@ class PrefillServer:
         self.sync()
         return self.memory
 
+    def set_tail_quantile(self, quantile: float | None) -> None:
+        """The start rule from the next plan on: ``quantile`` as in the constructor (None: the mean cost).
+        The recent chunks' samples are kept, so a rule switched in mid-run prices on the same machine."""
+        check_quantile(quantile)
+        with self._lock:
+            self._post("quantile", quantile)
+
     def recalibrate(self) -> None:
         """Ask the service to time its model again (a cost model that puts every window out of reach)."""
         with self._lock:
@@ -335,7 +343,7 @@ class PrefillServer:
         """This rank's service in numbers: chunks, tokens, prompts done, queue depth, TTFT, memory."""
         st = self.stats
         ttft = _median_p90(sorted(st.ttft))
-        ratio = _median_p90(sorted(m / p for m, p in list(st.timings) if p > 0))
+        ratio = _median_p90(sorted((t1 - t0) / p for t0, t1, _, p, _, _ in list(st.timings) if p > 0))
         return {"chunks": st.chunks, "tokens": st.tokens, "prompts": len(st.ttft),
                 "queue": len(self._pending),
                 "queue_peak": st.queue_peak, "busy_s": st.busy, "skipped": st.skipped, "closed": st.closed,
@@ -375,7 +383,7 @@ class PrefillServer:
         if kind == "chunk":
             t0, t1, tokens, self._ratio, predicted, deadline, tail = msg
             st.chunks, st.tokens, st.busy = st.chunks + 1, st.tokens + tokens, st.busy + (t1 - t0)
-            st.timings.append((t1 - t0, predicted))
+            st.timings.append((t0, t1, tokens, predicted, tail, deadline))
             st.over_tail += t1 - t0 > tail
             if deadline and t1 > deadline:
                 st.late, st.late_s = st.late + 1, st.late_s + (t1 - deadline)

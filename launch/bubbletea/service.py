@@ -21,7 +21,9 @@ Messages in (pickled, over a pipe), one per line of the protocol:
     ("drain",)                           prefill everything queued, now
     ("cap", bytes | None)                the KV caches' memory cap (measured by the rank)
     ("recalibrate",)                     time the model again (a cost model that starved the rank)
+    ("quantile", q | None)               the start rule's tail quantile from now on (None: the mean cost)
     ("ping", n)                          reply ("pong", n) once everything before it is done
+    ("finished", id)                     pipelined, from the next stage's link: it finished its part of id
     ("stop",)
 Messages out: ("ready", fit), ("chunk", t0, t1, tokens, ratio, predicted, deadline, tail) (predicted:
 the mean cost, tail: the start rule's, :mod:`.cost`; deadline 0: no window), ("skipped", n, "closed" |
@@ -52,7 +54,7 @@ from multiprocessing.connection import Client, Connection, Listener
 
 import torch
 
-from launch.bubbletea.cost import CostModel, fit_cost
+from launch.bubbletea.cost import CostModel, check_quantile, fit_cost
 from launch.bubbletea.device import synchronize, tensor_bytes
 from launch.bubbletea.packer import Chunk, Request, pack
 from launch.bubbletea.timeline import Window
@@ -117,6 +119,11 @@ class Service:
         self.listener = Listener((setup["listen"], 0), authkey=self.key) if setup.get("listen") else None
         self.address = self.listener.address if self.listener is not None else None
         self.down: Connection | None = None                  # the next stage's service
+        self.up: Connection | None = None                    # the previous stage's
+        # requests started here that the next stage has not finished (pipelined back-pressure: a new
+        # request is admitted only while fewer than ``ahead`` are in flight downstream)
+        self.ahead: set = set()
+        self.ahead_max: int = setup.get("ahead", 2)
 
     def calibrate(self) -> tuple[float, float, float]:
         return fit_cost(self.model, self.spec.max_seq, self.spec.vocab, self.chunk_tokens, self.stream)
@@ -131,9 +138,14 @@ class Service:
 
     def admitted(self) -> list[Request]:
         """The queue as the packer sees it: requests whose cache exists, then, in FIFO order, those
-        whose cache still fits the cap (the first that does not stops the admission: no overtaking)."""
+        whose cache still fits the cap (the first that does not stops the admission: no overtaking) and,
+        pipelined, while the requests in flight downstream stay under ``ahead``."""
         out, room = [], None if self.cap is None else self.cap - self.kv
+        fresh = 0                         # requests admitted here that this stage has not started yet
         for rid, q in self.queue.items():
+            if q[2] is None and self.down is not None and len(self.ahead) + fresh >= self.ahead_max:
+                break                     # the next stage is behind: admit nothing new until it catches up
+            fresh += q[2] is None
             if q[2] is None and room is not None:
                 need = _cache_bytes(self.model, len(q[0]))
                 if need > room:
@@ -155,10 +167,11 @@ class Service:
             q[0].add(lo, hi, x)
         elif kind == "link":                         # pipelined: accept the previous stage, reach the next
             if msg[1] == "accept":
-                up = self.listener.accept()
-                threading.Thread(target=_forward, args=(up, self.post), daemon=True).start()
+                self.up = self.listener.accept()
+                threading.Thread(target=_forward, args=(self.up, self.post), daemon=True).start()
             else:
                 self.down = Client(msg[1], authkey=self.key)
+                threading.Thread(target=_forward, args=(self.down, self.post), daemon=True).start()
             self.emit("linked", msg[1] == "accept")
         elif kind == "windows":
             self.costs.fade()
@@ -180,6 +193,10 @@ class Service:
         elif kind == "recalibrate":
             self.costs.refit(self.calibrate())
             self.emit("fit", self.fit)
+        elif kind == "finished":                     # the next stage finished its part of a request
+            self.ahead.discard(msg[1])
+        elif kind == "quantile":                     # the samples stay: both rules see the same machine
+            self.costs.quantile = check_quantile(msg[1])
         elif kind == "ping":
             self.emit("pong", msg[1])
         elif kind == "stop":
@@ -208,6 +225,8 @@ class Service:
             return
         tokens, t_submit, cache, _, total = q
         if cache is None:
+            if self.down is not None:
+                self.ahead.add(chunk.request)
             cache = q[2] = self.model.new_cache(total)
             self.kv += cache.nbytes
             self.kv_peak = max(self.kv_peak, self.kv)
@@ -223,6 +242,8 @@ class Service:
             send(self.down, chunk.request, chunk.lo, chunk.hi, total, logits, t_submit)
         if chunk.hi == total:
             del self.queue[chunk.request]
+            if self.up is not None:                # the previous stage may admit another request
+                send(self.up, *FINISHED, chunk.request)
             self.kv -= cache.nbytes                    # handed off: the caller's from here
             if self.down is not None:              # a stage's part: its layers' cache, no logits yet
                 self.emit("done", chunk.request, cache, None, None, t_submit, t1, self.memory())
@@ -255,14 +276,21 @@ class Arrived:
 
 
 DRAINED = ("drained",)       # on a stage link: the previous stage drained; drain too, after its rows
+FINISHED = ("finished",)     # back on a stage link: this stage finished its part of a request
 
 
 def _forward(conn: Connection, post: Callable) -> None:
-    """The previous stage's rows into this service's inbox, in the order they were sent."""
+    """A stage link's messages into this service's inbox, in the order they were sent: from the previous
+    stage its rows (and its drain), from the next stage its finished requests."""
     try:
         while True:
             msg = recv(conn)        # by value: torch's reductions would pass tensors as fds
-            post(("drain",) if msg == DRAINED else ("activations", *msg))
+            if msg == DRAINED:
+                post(("drain",))
+            elif msg[:1] == FINISHED:
+                post(msg)
+            else:
+                post(("activations", *msg))
     except (EOFError, OSError):
         return
 

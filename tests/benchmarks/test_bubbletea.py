@@ -23,7 +23,9 @@ def _rank(rank, stock, on, profile, ttft):
                      "into_slow": []},
             "gc": {"stock": [1.0, 0, 0.5], "on": [2.0, 0, 0.6], "profile": [1.0, 0, 0.5]},
             "memory": {"cap": 2**30, "kv_peak": 2**20},
-            "window_report": {"median_rel_diff": 0.1, "plan_s": 0.02, "measured_s": 0.022}}
+            "window_report": {"median_rel_diff": 0.1, "plan_s": 0.02, "measured_s": 0.022,
+                              "windows": [{"tag": 5, "plan_ms": 20.0, "measured_ms": 22.0},
+                                          {"tag": 22, "plan_ms": None, "measured_ms": 12.6}]}}
 
 
 def test_report_pairs_the_arms(capsys):
@@ -36,7 +38,8 @@ def test_report_pairs_the_arms(capsys):
     ranks = [_rank(0, [1.0, 1.0, 1.0], [1.0, 1.1, 0.98], [1.02, 1.0, 1.0], [0.5, 0.7]),
              _rank(1, [2.0, 2.0, 2.0], [2.02, 2.02, 2.02], [2.0, 2.0, 2.0], [0.6])]
     summary = bench.report(cfg, ranks, "1.0 1.0 1.0", "1.0 1.0 1.0")
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out = capsys.readouterr().out
+    last = json.loads(out.strip().splitlines()[-1])
     assert last == json.loads(json.dumps(summary))
     assert summary["slowdown"] == pytest.approx(0.0)
     assert summary["slowdown_per_rank"] == pytest.approx([0.0, 0.01])
@@ -47,6 +50,8 @@ def test_report_pairs_the_arms(capsys):
     assert summary["utilisation_bubbletea"] == pytest.approx(0.7)
     assert [r["share"] for r in summary["per_rank"]] == pytest.approx([1 / 3, 2 / 3])
     assert summary["starved_ranks"] == [] and summary["per_rank"][1]["slowdown"] == pytest.approx(0.01)
+    assert ("Windows per rank, plan / measured ms by instruction (tag): rank 0: 5: 20.0 / 22.0, 22: - / "
+            "12.6; rank 1: 5: 20.0 / 22.0") in out
 
 
 def test_a_starved_rank_is_flagged(capsys):
@@ -82,8 +87,8 @@ def test_a_hugging_face_model_is_the_spec_every_rank_prefills(tmp_path):
         assert (spec.model_type, spec.vocab, spec.max_seq, spec.layers, spec.heads, spec.hidden) == (
             "llama", LMConfig().vocab, 48, 2, 4, 64)
     assert not Path(tiny["hf"]).exists()                 # the temporary directory is gone
-    with pytest.raises(SystemExit, match="--pipelined splits the project's CausalLM only"):
-        bench.main(["--hf-tiny", "gpt2", "--pipelined"])
+    with pytest.raises(SystemExit, match="--pipelined with --sleeping-chunks: a sleeping chunk computes no"):
+        bench.main(["--hf-tiny", "gpt2", "--pipelined", "--sleeping-chunks"])
     with pytest.raises(SystemExit, match="one model or the other"):
         bench.main(["--hf-tiny", "gpt2", "--hf", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"--hf: path=.*not a directory with a config\.json"):

@@ -64,11 +64,13 @@ def test_a_bad_horizon_is_refused():
         CostModel(FIT, 0.9, horizon=0.0)
 
 
+@pytest.mark.parametrize("built", ["same", "other"])
 @pytest.mark.parametrize("quantile, ran", [(0.9, 0), (None, 1)])
-def test_the_service_starts_a_chunk_only_if_its_tail_cost_ends_before_the_deadline(quantile, ran):
+def test_the_service_starts_a_chunk_only_if_its_tail_cost_ends_before_the_deadline(quantile, ran, built):
     """Recent chunks: eight at the fit (10 ms), two at 5x. A window closing in 30 ms: the mean (~21 ms
     after the plan's fade) fits, the p90 (50 ms) does not; the mean rule starts the chunk, the p90 rule
-    skips it as too long for the window's rest."""
+    skips it as too long for the window's rest. Built with the other rule and switched by a ("quantile",
+    q) message before the plan: the same, from the same samples."""
     import array
     import time
 
@@ -80,11 +82,14 @@ def test_the_service_starts_a_chunk_only_if_its_tail_cost_ends_before_the_deadli
     out = []
     window = memoryview(array.array("d", [0.0, 0.0]))
     setup = {"model": LMConfig(vocab=50, hidden=16, layers=1, heads=2, max_seq=8), "chunk_tokens": 8,
-             "guard": 0.0, "cost": (0.01, 0.0, 0.0), "tail_quantile": quantile}
+             "guard": 0.0, "cost": (0.01, 0.0, 0.0),
+             "tail_quantile": quantile if built == "same" else {0.9: None, None: 0.9}[quantile]}
     service = Service(lambda *msg: out.append(msg), window, setup)
     now = time.perf_counter()
     for r in [1.0] * 8 + [5.0] * 2:
         service.costs.observe(Chunk("old", 0, 8, 8), r * 0.01, now)
+    if built == "other":
+        service.handle(("quantile", quantile))
     service.handle(("submit", "r", torch.arange(8), now))
     service.handle(("windows", [(1, 0.0, 60.0)]))                     # planned into a long window ...
     window[1], window[0] = time.perf_counter() + 0.03, 1.0           # ... that closes in 30 ms

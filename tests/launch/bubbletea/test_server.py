@@ -84,6 +84,18 @@ def test_submit_checks_its_input(served):
     server.drain()
 
 
+def test_the_start_rule_is_switched_in_the_running_service(served):
+    """set_tail_quantile checks its value here and hands it to the service, which keeps serving (its effect
+    on the rule: test_cost.py)."""
+    server, _ = served
+    with pytest.raises(ValueError, match=r"tail_quantile=1\.5: must lie in \(0, 1\]"):
+        server.set_tail_quantile(1.5)
+    server.set_tail_quantile(None)
+    server.set_tail_quantile(0.5)
+    server.sync()
+    assert server.error is None and server._proc.poll() is None
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"chunk_tokens": 0}, "chunk_tokens=0: a chunk holds at least one token"),
     ({"guard": -1.0}, "guard=-1.0: the guard band cannot be negative"),
@@ -110,10 +122,18 @@ def test_a_service_free_to_use_other_ranks_cores_is_warned_about():
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU is never more than a rank's share")
 def test_an_unbound_rank_among_several_is_warned(monkeypatch):
+    """Warned before the service starts; the start itself (a process importing torch, ~3 s, which the
+    warning does not need) is cut short at its first step, the window's shared memory."""
+    class Started(Exception):
+        pass
+
+    def start(name):
+        raise Started(name)
+
     monkeypatch.setenv("LOCAL_SIZE", str(2 * (os.cpu_count() or 1)))      # more ranks than cores
-    with pytest.warns(UserWarning, match="Bind cores to ranks"):
-        server = PrefillServer(CFG, chunk_tokens=8, callback=print, cost=(0.01, 0.0, 0.0))
-    server.stop()
+    monkeypatch.setattr(os, "memfd_create", start)
+    with pytest.warns(UserWarning, match="Bind cores to ranks"), pytest.raises(Started, match="bubbletea"):
+        PrefillServer(CFG, chunk_tokens=8, callback=print, cost=(0.01, 0.0, 0.0))
 
 
 def test_measured_cost_model_and_a_failing_callback():

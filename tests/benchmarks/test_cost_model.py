@@ -23,7 +23,7 @@ from benchmarks.cost_model import (
     tied_pairs,
 )
 from megatron_patches.calibrate import config, profile_from
-from megatron_patches.profile import BWD_FLOPS, FWD_FLOPS
+from megatron_patches.profile import BWD_FLOPS, FWD_FLOPS, load, save
 
 
 def test_kendall_tau_b():
@@ -107,7 +107,7 @@ def test_host_work_is_the_tiny_runs_less_the_models_price():
     assert prof.provenance["host_rows"] == HOST_ROWS
 
 
-def test_profile_from_recovers_the_constants():
+def test_profile_from_recovers_the_constants(tmp_path):
     cfg = config(["--out", "x", "--reps", "3", "--rows", "64", "256", "--sizes-log2", "12", "16",
                   "--heads", "8", "2"])
     prof = profile_from(_synthetic(cfg), cfg, "synthetic")
@@ -120,6 +120,13 @@ def test_profile_from_recovers_the_constants():
         assert [t for _, t in kernel.curves[8].points] == [pytest.approx(2.0)] * 2
         assert kernel.curves[8].points[0][0] == 4 * kernel.curves[2].points[0][0]
     assert prof.gemm_tflops == pytest.approx(3.0) and prof.overlap == pytest.approx(0.5)
+    # the fitted points kept (bytes -> seconds), and a profile holding them saves and loads
+    points = prof.provenance["message_s"]
+    assert points["ring"]["4096"] == pytest.approx(50e-6 + 4096 / 2e9)
+    assert points["all_gather 2"]["8192"] == pytest.approx(80e-6 + 8192 * 0.5 / (0.5 * 2e9))
+    path = tmp_path / "p.json"
+    save(prof, str(path))
+    assert load(str(path)).provenance["message_s"] == points
     cpu = profile_from(_synthetic(cfg), cfg, "synthetic", clock="cpu")   # every time halved
     assert cpu.intra.gbytes == pytest.approx(4.0) and cpu.gemm_tflops == pytest.approx(6.0)
     assert cpu.provenance["clock"] == "cpu"

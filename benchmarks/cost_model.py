@@ -21,6 +21,14 @@ Kendall's tau-b twice: without the tie rule (the medians' order, every differenc
 tied_pairs); ties in the model (two orders that are the same links on one node) count as ties in both;
 the model's pick, how far its measured time is from the measured best and whether the two are a
 measured tie. The last line is JSON of the same.
+
+Kernel drift. The calibration and the candidates run minutes apart, and on a shared machine the seconds
+of a FLOP change in between (the same block call measured 15-25% apart within ten minutes, in CPU time
+too). So each round also times one block per curve (ref_rows: a block size the calibration measured, the
+problem's heads) with the calibration's own microbenchmark, and kernel_drift gives their seconds over
+their calibrated price; the "at drift" column is the model with every kernel call that median factor
+longer (kernels_scaled): a re-measurement of the calibration's kernels, not of any candidate. Both are
+printed; the bar is judged on the plain prediction.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 
 def _sign(a: float, b: float, rel: float) -> int:
@@ -80,19 +89,28 @@ def name(u: int, c: int, order: str) -> str:
     return f"U={u} C={c}" + (f" {order}" if c > 1 else "")
 
 
-def _measure(s: int, b: int, h: int, d: int, cands: list, rounds: int) -> dict:
+def _measure(s: int, b: int, h: int, d: int, cands: list, rounds: int, ref_rows: int) -> dict:
     """On every rank: each candidate's (wall, CPU) seconds per round. A round runs the candidates in a
     rotated order and then in its reverse (A B C … C B A, each round starting one later), and a
     candidate's value is the mean of its two runs: a load that drifts linearly over the round adds the
-    same to every candidate. Wall: barrier to barrier (the slowest rank); CPU: this process's."""
+    same to every candidate. Wall: barrier to barrier (the slowest rank); CPU: this process's. Then the
+    reference kernel calls (kernel_drift: blocks of ``ref_rows``), timed as the calibration times them,
+    under "_refs"."""
+    import torch
     import torch.distributed as dist
 
+    from megatron_patches.calibrate import _attention, _timed
     from megatron_patches.host import plan_key, plan_steps
+    from megatron_patches.profile import CURVES
 
     world = dist.get_world_size()
     steps = plan_steps(s, b, h, d, cands)
     names = [plan_key(world, *c) for c in cands]
     out = {n: {"times": [], "cpu": []} for n in names}
+    dev = torch.device("cpu")
+    refs = {c: _attention(ref_rows, b * h, d, torch.float32, dev, c.endswith("causal"), c.startswith("bwd"))
+            for c in CURVES}
+    out["_refs"] = {c: {"times": [], "cpu": []} for c in CURVES}
     for i in range(rounds):
         order = names[i % len(names):] + names[:i % len(names)]
         got = {n: [] for n in names}
@@ -106,7 +124,48 @@ def _measure(s: int, b: int, h: int, d: int, cands: list, rounds: int) -> dict:
         for n, ts in got.items():
             out[n]["times"].append(statistics.mean(w for w, _ in ts))
             out[n]["cpu"].append(statistics.mean(c for _, c in ts))
-    return {name(*c): out[n] for c, n in zip(cands, names, strict=True)}
+        for c, fn in refs.items():
+            ((wall, cpu_s),) = _timed(fn, 1, dev, warm=False)
+            out["_refs"][c]["times"].append(wall)
+            out["_refs"][c]["cpu"].append(cpu_s)
+    return {"_refs": out["_refs"], **{name(*c): out[n] for c, n in zip(cands, names, strict=True)}}
+
+
+def kernel_drift(refs: dict, prof, rows: int, heads: int, d: int) -> list[float]:
+    """Per round, the reference calls' measured seconds over their price in ``prof``: how much slower
+    (> 1) or faster the kernels ran while the candidates were measured than while they were calibrated.
+
+    ``refs``: curve -> the round's seconds of one square block of ``rows`` rows over ``heads`` = b·h heads
+    (the calibration's own microbenchmark, calibrate._attention, in the profile's clock; ref_rows: a block
+    the calibration measured). On a shared machine
+    the CPU seconds of a FLOP change with what else runs (caches, memory bandwidth, the hypervisor), and
+    the calibration and the candidates run minutes apart: a model priced at the calibration's speed is
+    off by this factor on every kernel call, whatever its structure. Nothing here is a candidate's time."""
+    from megatron_patches.placement import Topology
+
+    topo = Topology.from_profile(prof)
+    price = sum(topo.call_s(rows, rows, c.endswith("causal"), heads, d, c.startswith("bwd"))
+                for c in refs)
+    return [sum(ts) / price for ts in zip(*refs.values(), strict=True)]
+
+
+def ref_rows(calib_cfg: dict, s: int, heads: int) -> int:
+    """The reference block of kernel_drift: the largest block the calibration measured at ``heads`` heads
+    that is no larger than a rank's s rows (else its smallest)."""
+    from megatron_patches.calibrate import kernel_rows
+
+    rows = kernel_rows(calib_cfg, heads)
+    return max([n for n in rows if n <= s] or rows[:1])
+
+
+def kernels_scaled(prof, factor: float):
+    """``prof`` with every attention call ``factor`` times as long (each curve's TFLOP/s / factor); links,
+    collectives, host work and memory traffic as measured."""
+    from megatron_patches.profile import Curve, Kernel
+
+    att = {k: Kernel({h: Curve(tuple((w, t / factor) for w, t in c.points)) for h, c in kern.curves.items()})
+           for k, kern in prof.attention.items()}
+    return replace(prof, attention=att)
 
 
 def world_table(world: int, args, calib_cfg: dict) -> dict:
@@ -124,12 +183,18 @@ def world_table(world: int, args, calib_cfg: dict) -> dict:
     with World(world, timeout=3600, start_timeout=900) as w:
         profiles = calibrate({**calib_cfg, "ranks": world}, world=w)
         t1 = time.time()
-        per_rank = w.run(_measure, s, b, h, d, cands, args.reps + 1, timeout=3600)
+        per_rank = w.run(_measure, s, b, h, d, cands, args.reps + 1, ref_rows(calib_cfg, s, b * h),
+                         timeout=3600)
     load1 = " ".join(f"{x:.1f}" for x in os.getloadavg())
     out = {"load": [load0, load1], "calibration_s": t1 - t0, "candidates_s": time.time() - t1,
            "profiles": {k: p.to_json() for k, p in profiles.items()}}
     for clock, prof in profiles.items():
         topo = Topology.from_profile(prof, world)
+        key, pick = ("times", max) if clock == "wall" else ("cpu", statistics.mean)
+        refs = {c: [pick(r["_refs"][c][key][i] for r in per_rank) for i in range(1, args.reps + 1)]
+                for c in per_rank[0]["_refs"]}
+        drift = kernel_drift(refs, prof, ref_rows(calib_cfg, s, b * h), b * h, d)
+        at_drift = Topology.from_profile(kernels_scaled(prof, statistics.median(drift)), world)
         rows, series = [], []
         for u, c, order in cands:
             n = name(u, c, order)
@@ -142,9 +207,10 @@ def world_table(world: int, args, calib_cfg: dict) -> dict:
             rows.append({"name": n, "measured_ms": 1e3 * statistics.median(ser),
                          "iqr_pct": 100 * (q3 - q1) / statistics.median(ser),
                          "predicted_ms": 1e3 * plan_s(world, sh, nodes, topo, u, c, order),
+                         "drift_predicted_ms": 1e3 * plan_s(world, sh, nodes, at_drift, u, c, order),
                          "host_ms": 1e3 * prof.host_s(world, u, c, order),
                          "memory_ms": 1e3 * prof.memory_s(world, u, c, order, s, b * h * d * 4)})
-        out[clock] = summarize(rows, tied_pairs(series))
+        out[clock] = {**summarize(rows, tied_pairs(series)), "kernel_drift": drift}
         print_table(world, clock, out[clock], args, load0, load1)
     return out
 
@@ -160,7 +226,10 @@ def summarize(rows: list[dict], ties: set | None = None) -> dict:
     pick = min(range(len(rows)), key=lambda i: pred[i])
     best = meas.index(min(meas))
     bare = [p - r.get("memory_ms", 0.0) for p, r in zip(pred, rows, strict=True)]
+    at_drift = [r.get("drift_predicted_ms", p) for p, r in zip(pred, rows, strict=True)]
     return {"rows": rows, "kendall_tau": kendall_tau(pred, meas),
+            "kendall_tau_drift": kendall_tau(at_drift, meas),
+            "kendall_tau_ties_drift": kendall_tau(at_drift, meas, ties=ties),
             "kendall_tau_without_memory": kendall_tau(bare, meas),
             "kendall_tau_ties_without_memory": kendall_tau(bare, meas, ties=ties),
             "kendall_tau_ties": kendall_tau(pred, meas, ties=ties),
@@ -174,12 +243,19 @@ def print_table(world: int, clock: str, t: dict, args, load0: str, load1: str) -
           f"{args.heads} heads x {args.head_dim}, fp32, causal; "
           f"{clock} clock, median of {args.reps} interleaved rounds; load {load0} -> {load1}")
     print(f"{'candidate':<22}{'measured ms':>12}{'IQR %':>7}{'predicted ms':>13}{'host ms':>8}{'mem ms':>8}"
-          f"{'pred/meas':>10}{'rank meas':>10}{'rank pred':>10}")
+          f"{'pred/meas':>10}{'at drift':>9}{'/meas':>6}{'rank meas':>10}{'rank pred':>10}")
     for r in t["rows"]:
+        at = r.get("drift_predicted_ms", r["predicted_ms"])
         print(f"{r['name']:<22}{r['measured_ms']:>12.1f}{r['iqr_pct']:>7.1f}{r['predicted_ms']:>13.1f}"
               f"{r['host_ms']:>8.1f}{r.get('memory_ms', 0.0):>8.1f}"
-              f"{r['predicted_ms'] / r['measured_ms']:>10.2f}"
+              f"{r['predicted_ms'] / r['measured_ms']:>10.2f}{at:>9.1f}{at / r['measured_ms']:>6.2f}"
               f"{r['measured_rank']:>10}{r['predicted_rank']:>10}")
+    drift = t.get("kernel_drift")
+    if drift:
+        print(f"kernel drift (the reference calls while the candidates ran / their calibrated price): median "
+              f"{statistics.median(drift):.3f}, rounds {' '.join(f'{x:.3f}' for x in drift)}; "
+              f"'at drift': the model with every kernel call that much longer; tau-b at drift "
+              f"{t['kendall_tau_drift']:.2f} / {t['kendall_tau_ties_drift']:.2f} with measured ties")
     print(f"Kendall tau-b {t['kendall_tau']:.2f} (every measured difference counts), "
           f"{t['kendall_tau_ties']:.2f} with measured ties ({len(t['tied'])}: "
           f"{'; '.join(' = '.join(p) for p in t['tied']) or 'none'}); without the memory term "
@@ -219,8 +295,8 @@ def main(argv=None) -> dict:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(out, f, indent=1)
-    line = {k: {clock: {m: v[clock][m] for m in ("kendall_tau", "kendall_tau_ties", "pick", "best",
-                                                 "pick_over_best", "pick_tied_with_best")}
+    line = {k: {clock: {m: v[clock][m] for m in ("kendall_tau", "kendall_tau_ties", "kendall_tau_drift",
+                                                 "pick", "best", "pick_over_best", "pick_tied_with_best")}
                 for clock in ("wall", "cpu")} for k, v in out.items()}
     print(json.dumps(line))
     return out

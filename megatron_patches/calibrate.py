@@ -246,19 +246,24 @@ def profile_from(per_rank: list, cfg: dict, description: str, clock: str = "wall
         return Profile("measured", description, 1, Link(cfg["intra_us"] * 1e-6, cfg["intra_gbytes"]), {},
                        curves, 1.0, gemm, provenance=provenance)
     sizes = cfg["sizes"]
-    ring = cost.fit(sizes, [_slowest(per_rank, lambda r, n=n: r["ring"][n]) for n in sizes])
+    ring_s = [_slowest(per_rank, lambda r, n=n: r["ring"][n]) for n in sizes]
+    ring = cost.fit(sizes, ring_s)
     intra = Link(ring.model.alpha, 1 / max(ring.model.beta, 1e-15) / 1e9)
     colls: dict = {}
+    # The fitted points, kept in the provenance ("bytes": seconds) so a fit can be checked afterwards.
+    points = {"ring": {str(n): t for n, t in zip(sizes, ring_s, strict=True)}}
     for kind in KINDS:
         for g in sorted({g for k, g, _ in r0["coll"] if k == kind}):
             ns = sorted(n for k, gg, n in r0["coll"] if (k, gg) == (kind, g))
-            fit = cost.fit([n * (g - 1) / g for n in ns],
-                           [_slowest(per_rank, lambda r, key=(kind, g, n): r["coll"][key]) for n in ns])
+            ts = [_slowest(per_rank, lambda r, key=(kind, g, n): r["coll"][key]) for n in ns]
+            fit = cost.fit([n * (g - 1) / g for n in ns], ts)
             eff = min(intra.beta / max(fit.model.beta, 1e-15), 4.0)
             colls.setdefault(kind, {})[g] = Collective(fit.model.alpha, eff)
+            points[f"{kind} {g}"] = {str(n): t for n, t in zip(ns, ts, strict=True)}
     ov = {k: _slowest(per_rank, lambda r, k=k: r["overlap"][k]) for k in ("block", "hop", "both")}
     overlap = (ov["block"] + ov["hop"] - ov["both"]) / min(ov["block"], ov["hop"])
-    provenance.update(ring_r2=round(ring.r2, 4), overlap_s={k: round(v, 6) for k, v in ov.items()})
+    provenance.update(ring_r2=round(ring.r2, 4), overlap_s={k: round(v, 6) for k, v in ov.items()},
+                      message_s=points)
     prof = Profile("measured", description, len(per_rank), intra, colls, curves, min(max(overlap, 0.0), 1.0),
                    gemm, provenance=provenance)
     if "host" not in r0:

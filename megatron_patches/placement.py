@@ -66,11 +66,20 @@ class Topology:
                                              intra_us, nic_us, tflops, network, kernel))
 
     def exchange(self, pairs, nodes, n: float) -> float:
+        """One message of n bytes from each rank s to d for (s, d) in ``pairs`` (one pair per rank): the
+        slowest message (cost.exchange), or, for a profile in CPU seconds, the ranks' mean (calibrate
+        --clock cpu measures each rank's own work, averaged over the ranks, as compute_steps prices the
+        kernels): a rank whose message goes to itself moves nothing (wallfacer.py sends nothing then), so
+        a permutation with fixed points costs the moving ranks' share, m/P, of one exchange — exact on one
+        node, where every message costs the same; an upper bound across nodes."""
         crosses = any(nodes[s] != nodes[d] for s, d in pairs)
         if crosses and self.nic is None:
             raise ValueError(f"the profile ({self.profile.description or self.profile.source}) has no "
                              f"inter-node link: calibrate on two or more nodes to plan across nodes")
-        return cost.exchange(self.intra, self.nic or self.intra, pairs, nodes, n, self.flow)
+        slowest = cost.exchange(self.intra, self.nic or self.intra, pairs, nodes, n, self.flow)
+        if self.profile.provenance.get("clock") != "cpu" or not pairs:
+            return slowest
+        return slowest * sum(s != d for s, d in pairs) / len(pairs)
 
     def collective(self, kind: str, g: int, n: float, link: AlphaBeta | None = None) -> float:
         """``kind`` on g ranks, n = cost.py's bytes (all_gather: the gathered buffer; reduce_scatter and

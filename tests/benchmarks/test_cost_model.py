@@ -13,9 +13,17 @@ import os
 
 import pytest
 
-from benchmarks.cost_model import kendall_tau, main, summarize, tied_pairs
+from benchmarks.cost_model import (
+    kendall_tau,
+    kernel_drift,
+    kernels_scaled,
+    main,
+    ref_rows,
+    summarize,
+    tied_pairs,
+)
 from megatron_patches.calibrate import config, profile_from
-from megatron_patches.profile import BWD_FLOPS, FWD_FLOPS
+from megatron_patches.profile import BWD_FLOPS, FWD_FLOPS, load, save
 
 
 def test_kendall_tau_b():
@@ -99,7 +107,7 @@ def test_host_work_is_the_tiny_runs_less_the_models_price():
     assert prof.provenance["host_rows"] == HOST_ROWS
 
 
-def test_profile_from_recovers_the_constants():
+def test_profile_from_recovers_the_constants(tmp_path):
     cfg = config(["--out", "x", "--reps", "3", "--rows", "64", "256", "--sizes-log2", "12", "16",
                   "--heads", "8", "2"])
     prof = profile_from(_synthetic(cfg), cfg, "synthetic")
@@ -112,9 +120,43 @@ def test_profile_from_recovers_the_constants():
         assert [t for _, t in kernel.curves[8].points] == [pytest.approx(2.0)] * 2
         assert kernel.curves[8].points[0][0] == 4 * kernel.curves[2].points[0][0]
     assert prof.gemm_tflops == pytest.approx(3.0) and prof.overlap == pytest.approx(0.5)
+    # the fitted points kept (bytes -> seconds), and a profile holding them saves and loads
+    points = prof.provenance["message_s"]
+    assert points["ring"]["4096"] == pytest.approx(50e-6 + 4096 / 2e9)
+    assert points["all_gather 2"]["8192"] == pytest.approx(80e-6 + 8192 * 0.5 / (0.5 * 2e9))
+    path = tmp_path / "p.json"
+    save(prof, str(path))
+    assert load(str(path)).provenance["message_s"] == points
     cpu = profile_from(_synthetic(cfg), cfg, "synthetic", clock="cpu")   # every time halved
     assert cpu.intra.gbytes == pytest.approx(4.0) and cpu.gemm_tflops == pytest.approx(6.0)
     assert cpu.provenance["clock"] == "cpu"
+
+
+def test_kernel_drift_is_the_reference_calls_over_their_calibrated_price():
+    """kernel_drift: per round, the reference calls' seconds over their price in the profile (the synthetic
+    machine: 2 TFLOP/s at 8 heads, held beyond the largest measured block), counted by hand; and
+    kernels_scaled makes every kernel call that factor longer and nothing else."""
+    from megatron_patches.placement import Topology
+
+    cfg = config(["--out", "x", "--reps", "3", "--rows", "64", "256", "--sizes-log2", "12", "16",
+                  "--heads", "8", "2"])
+    prof = profile_from(_synthetic(cfg), cfg, "synthetic")
+    assert (ref_rows(cfg, 512, 8), ref_rows(cfg, 100, 8), ref_rows(cfg, 32, 8)) == (256, 64, 64)
+    n = 512   # beyond the largest measured block: its throughput held
+    full, causal = n * n, n * (n + 1) / 2
+    price = {"fwd": FWD_FLOPS * full, "fwd_causal": FWD_FLOPS * causal, "bwd": BWD_FLOPS * full,
+             "bwd_causal": BWD_FLOPS * causal}
+    price = {c: f * 8 * 64 / 2e12 for c, f in price.items()}
+    refs = {c: [1.25 * t, 0.8 * t, t] for c, t in price.items()}
+    assert kernel_drift(refs, prof, n, 8, 64) == [pytest.approx(1.25), pytest.approx(0.8), pytest.approx(1.0)]
+    slow = kernels_scaled(prof, 1.5)
+    a, b = Topology.from_profile(prof), Topology.from_profile(slow)
+    for rows, keys, diag, heads, back in ((n, n, True, 8, False), (128, 300, False, 2, True),
+                                          (64, 64, True, 4, True)):
+        assert b.call_s(rows, keys, diag, heads, 64, back) == pytest.approx(1.5 * a.call_s(rows, keys, diag,
+                                                                                         heads, 64, back))
+    assert (slow.intra, slow.collectives, slow.overlap, slow.host, slow.memory) == \
+        (prof.intra, prof.collectives, prof.overlap, prof.host, prof.memory)
 
 
 @pytest.mark.slow

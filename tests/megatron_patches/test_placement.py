@@ -73,3 +73,22 @@ def test_choose_errors():
         choose(8, SHARD, [0] * 8, None, "auto", "contiguous")
     with pytest.raises(ValueError, match="tflops=0"):
         Topology.from_specs(8, 1.0, 1.0, tflops=0)
+
+
+def test_an_exchange_in_cpu_seconds_is_the_moving_ranks_share():
+    """In CPU seconds (the ranks' mean work) a rank whose message goes to itself costs nothing, so the
+    placement of C = 2 at P = 4 (Alg. 2 is a transpose there: ranks 0 and 3 keep their K/V) costs half an
+    exchange; the ring (every rank moves) and the wall clock (the slowest message) cost a whole one."""
+    from dataclasses import replace
+
+    wall = Topology.from_specs(8, 100.0, 50.0)
+    cpu = Topology.from_profile(replace(wall.profile, provenance={**wall.profile.provenance, "clock": "cpu"}))
+    lay, nodes, n = Layout(4, 2), [0] * 4, 1 << 20
+    place = [(r, lay.place_target(r)) for r in range(4)]
+    assert [d for _, d in place] == [0, 2, 1, 3]
+    one = wall.intra.alpha + wall.intra.beta * n
+    assert wall.exchange(place, nodes, n) == pytest.approx(one)
+    assert cpu.exchange(place, nodes, n) == pytest.approx(one / 2)
+    ring = [(r, (r + 1) % 4) for r in range(4)]
+    assert cpu.exchange(ring, nodes, n) == pytest.approx(one) == wall.exchange(ring, nodes, n)
+    assert cpu.exchange([(r, r) for r in range(4)], nodes, n) == 0.0

@@ -1,0 +1,41 @@
+"""benchmarks.cost_phases: the exclusive CPU-time count of nested calls, the split, and the restore."""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.cost_phases import Phases, split
+
+
+def _busy(seconds: float) -> None:
+    t = time.process_time()
+    while time.process_time() - t < seconds:
+        pass
+
+
+def test_phases_count_nested_calls_exclusively_and_restore_the_functions():
+    ns = SimpleNamespace()
+    ns.inner = lambda: _busy(0.01)
+
+    def outer():
+        _busy(0.02)
+        ns.inner()
+        ns.inner()
+    ns.outer = outer
+    originals = (ns.outer, ns.inner)
+    with Phases([(ns, "outer", "outer"), (ns, "inner", "inner")]) as ph:
+        ns.outer()
+        ns.inner()
+    assert (ns.outer, ns.inner) == originals
+    assert ph.incl["inner"] >= 0.03 and ph.excl["inner"] == ph.incl["inner"]
+    assert ph.incl["outer"] >= 0.04
+    # the two inner calls inside outer are taken out of it, the third (outside) is not
+    inside = ph.incl["outer"] - ph.excl["outer"]
+    assert 0.02 <= inside < ph.incl["inner"]
+    assert ph.excl["outer"] >= 0.02
+
+
+def test_split_is_kernels_messages_and_the_rest():
+    parts = split({"attend": 1.0, "attend_bwd": 0.5, "wait": 0.25, "all_gather": 0.125, "other": 9.0}, 2.0)
+    assert parts == {"kernels": 1.5, "messages": pytest.approx(0.375), "rest": pytest.approx(0.125)}

@@ -178,13 +178,13 @@ def world_table(world: int, args, calib_cfg: dict) -> dict:
     s, b, h, d = args.seq_per_rank, args.batch, args.heads, args.head_dim
     sh, nodes = Shard(s, b, h, h, d, 4, 4), [0] * world
     cands = candidates(world, sh, nodes)
+    ref = ref_rows(calib_cfg, s, b * h)
     load0 = " ".join(f"{x:.1f}" for x in os.getloadavg())
     t0 = time.time()
     with World(world, timeout=3600, start_timeout=900) as w:
         profiles = calibrate({**calib_cfg, "ranks": world}, world=w)
         t1 = time.time()
-        per_rank = w.run(_measure, s, b, h, d, cands, args.reps + 1, ref_rows(calib_cfg, s, b * h),
-                         timeout=3600)
+        per_rank = w.run(_measure, s, b, h, d, cands, args.reps + 1, ref, timeout=3600)
     load1 = " ".join(f"{x:.1f}" for x in os.getloadavg())
     out = {"load": [load0, load1], "calibration_s": t1 - t0, "candidates_s": time.time() - t1,
            "profiles": {k: p.to_json() for k, p in profiles.items()}}
@@ -193,7 +193,7 @@ def world_table(world: int, args, calib_cfg: dict) -> dict:
         key, pick = ("times", max) if clock == "wall" else ("cpu", statistics.mean)
         refs = {c: [pick(r["_refs"][c][key][i] for r in per_rank) for i in range(1, args.reps + 1)]
                 for c in per_rank[0]["_refs"]}
-        drift = kernel_drift(refs, prof, ref_rows(calib_cfg, s, b * h), b * h, d)
+        drift = kernel_drift(refs, prof, ref, b * h, d)
         at_drift = Topology.from_profile(kernels_scaled(prof, statistics.median(drift)), world)
         rows, series = [], []
         for u, c, order in cands:

@@ -36,7 +36,7 @@ import torch
 
 from launch.bubbletea.hf import HFConfig, HFModel, in_place_cache
 from launch.bubbletea.model import KVCache, SizesFromConfig
-from launch.bubbletea.pipelined import Rows, layer_runs
+from launch.bubbletea.pipelined import Rows, check_layers, layer_runs
 
 # model_type -> (the base model's attribute, its decoder layer list, its learned positions or None, its
 # final norm): where a stage cuts the model
@@ -56,9 +56,7 @@ class HFStageSpec(SizesFromConfig):
             raise ValueError(f"model_type {self.cfg.model_type!r}: a Hugging Face model splits into stages "
                              f"for {', '.join(PARTS)} only (families whose forward hands inputs_embeds to "
                              "the layers unchanged); run it whole, one copy per rank")
-        if not 0 <= self.lo < self.hi <= self.cfg.layers:
-            raise ValueError(f"HFStageSpec: layers [{self.lo}, {self.hi}) must be a non-empty range inside "
-                             f"[0, {self.cfg.layers})")
+        check_layers("HFStageSpec", self.lo, self.hi, self.cfg.layers)
 
     def build(self, device=None) -> HFStage:
         return HFStage(self, device)

@@ -40,9 +40,7 @@ class StageSpec(SizesFromConfig):
     hi: int
 
     def __post_init__(self) -> None:
-        if not 0 <= self.lo < self.hi <= self.cfg.layers:
-            raise ValueError(f"StageSpec: layers [{self.lo}, {self.hi}) must be a non-empty range inside "
-                             f"[0, {self.cfg.layers})")
+        check_layers("StageSpec", self.lo, self.hi, self.cfg.layers)
 
     def build(self, device=None) -> StageLM:
         return StageLM(CausalLM(self.cfg), self.lo, self.hi).to(device or "cpu")
@@ -52,6 +50,12 @@ def split(cfg: LMConfig, stages: int) -> list[StageSpec]:
     """Layers in ``stages`` contiguous runs (:func:`layer_runs`). A Hugging Face model:
     :func:`launch.bubbletea.hf_pipelined.split_hf`."""
     return [StageSpec(cfg, a, b) for a, b in layer_runs(cfg.layers, stages)]
+
+
+def check_layers(spec: str, lo: int, hi: int, layers: int) -> None:
+    """A stage's layers [lo, hi) must be a non-empty range of the model's ``layers``."""
+    if not 0 <= lo < hi <= layers:
+        raise ValueError(f"{spec}: layers [{lo}, {hi}) must be a non-empty range inside [0, {layers})")
 
 
 def layer_runs(layers: int, stages: int) -> list[tuple[int, int]]:

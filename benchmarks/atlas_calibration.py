@@ -94,8 +94,9 @@ def in_run_modes(ranks: list[dict], variants: list[str], key: str = "pingpong_s"
 
 
 def predict(ranks: list[dict], variant: str, act_bytes: int, link_Bps: float, modes: dict,
-            rendezvous: bool = True) -> tuple[float, list]:
-    """The simulator's seconds per step for a cell, and the compute inputs it used (see the docstring).
+            rendezvous: bool = True) -> tuple[float, list, dict]:
+    """The simulator's seconds per step for a cell, the compute inputs and the rendezvous terms it used
+    (see the docstring).
     ``rendezvous`` False: the model before gloo's recv-ready notice and the step's all-reduces over the
     stages were modelled (launch.plan.rendezvous), the step's measured time taken whole, waits included
     (printed beside the prediction, for comparison)."""
@@ -112,7 +113,7 @@ def predict(ranks: list[dict], variant: str, act_bytes: int, link_Bps: float, mo
     compute = compute_inputs(ops, 2)
     return step_seconds(compute, REPLICAS, MICRO_BATCHES, act_bytes, link_Bps,
                         LinkMode.from_measured(modes, variant, act_bytes), WanSetting.parse(variant),
-                        **terms), compute
+                        **terms), compute, terms
 
 
 def window_seen(ranks: list[dict], variant: str) -> dict:
@@ -197,9 +198,10 @@ def run(rtts: list[float], acts: list[int], conns: list[int], steps: int,
                 modes = in_run_modes(ranks, vs)
                 beside = in_run_modes(ranks, vs, "pingpong_beside_s")
                 for v in vs:
-                    pred, comp = predict(ranks, v, rows * hidden * 4, links[rtt_ms]["link_Bps"], modes[v])
+                    pred, comp, terms = predict(ranks, v, rows * hidden * 4, links[rtt_ms]["link_Bps"],
+                                                modes[v])
                     cell = {"rtt_ms": rtt_ms, "act_kib": kib, "variant": v, "measured_s": measured(ranks, v),
-                            "predicted_s": pred, "compute": comp, "link": modes[v],
+                            "predicted_s": pred, "compute": comp, "terms": terms, "link": modes[v],
                             "tcp": window_seen(ranks, v),
                             "beside_s": predict(ranks, v, rows * hidden * 4, links[rtt_ms]["link_Bps"],
                                                 beside[v])[0],
@@ -270,9 +272,10 @@ def report(r: dict) -> None:
         groups.setdefault((c["rtt_ms"], c["act_kib"]), []).append(c)
     choices = {}
     for (rtt, kib), g in groups.items():
-        # what the planner would pick before running ATLAS: the stock run's compute, the link's constants
+        # what the planner would pick before running ATLAS: the stock run's compute, rendezvous terms
+        # (one-way latency, the step's all-reduces over the stages) and the link's constants
         best, _ = choose(g[0]["compute"], REPLICAS, MICRO_BATCHES, kib * 1024, r["links"][rtt]["link_Bps"],
-                         g[0]["link"], [c["variant"] for c in g])
+                         g[0]["link"], [c["variant"] for c in g], **g[0]["terms"])
         fastest = min(g, key=lambda c: c["measured_s"])
         by = {c["variant"]: c["measured_s"] for c in g}
         choices[f"{rtt:g}ms/{kib}KiB"] = {"chosen": best, "measured_best": fastest["variant"],

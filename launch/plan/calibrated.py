@@ -157,9 +157,13 @@ def step_seconds(compute: Sequence[StageCompute], replicas: int, micro_batches: 
 
 def choose(compute: Sequence[StageCompute], replicas: int, micro_batches: int, act_bytes: float,
            bandwidth: float, modes: Mapping[str, Mapping[str, float]], settings: Sequence[str],
-           margin: float = 0.05, allow_temporal: bool = False) -> tuple[str, dict[str, float]]:
+           margin: float = 0.05, allow_temporal: bool = False, one_way: float = 0.0,
+           extra_tensors: Sequence[float] = (), syncs: int = 0) -> tuple[str, dict[str, float]]:
     """The WAN setting (of ``settings``, each measured in ``modes``) the calibrated simulator predicts
-    fastest, and every prediction.
+    fastest, and every prediction. ``one_way``, ``extra_tensors`` and ``syncs`` are :func:`step_seconds`'
+    rendezvous terms (gloo's recv-ready notice, the output tuple's further tensors, the step's
+    all-reduces over the stages), the same for every setting: the choice is made on the model the
+    predictions are checked with.
 
     Temporal sharing is not chosen unless ``allow_temporal``: in two runs of the calibration matrix
     (benchmarks/atlas_calibration.py, README) it beat spatial sharing in a DeepSpeed pipeline once in
@@ -169,7 +173,8 @@ def choose(compute: Sequence[StageCompute], replicas: int, micro_batches: int, a
     where it beats spatial sharing at the same connection count by more than ``margin``."""
     candidates = [s for s in settings if allow_temporal or not s.endswith(":temporal")]
     predicted = {s: step_seconds(compute, replicas, micro_batches, act_bytes, bandwidth,
-                                 LinkMode.from_measured(modes, s, act_bytes), WanSetting.parse(s))
+                                 LinkMode.from_measured(modes, s, act_bytes), WanSetting.parse(s),
+                                 one_way=one_way, extra_tensors=extra_tensors, syncs=syncs)
                  for s in settings}
     best = min(candidates, key=predicted.get)
     if best.endswith(":temporal"):

@@ -63,6 +63,21 @@ def test_choose_claims_temporal_only_beyond_the_margin():
     assert best == "1:spatial"
 
 
+def test_choose_predicts_with_the_rendezvous_terms():
+    """The choice is made on the model the predictions are checked with: gloo's recv-ready notice, the
+    tuple's further tensor and the step's all-reduces over the stages, for every setting alike."""
+    compute = [StageCompute(1.0, 2.0, 0.0)] * 2
+    modes = {"stock": {"alpha_s": 0.5, "Bps": 0.25}, "8": {"alpha_s": 0.5, "Bps": 1.0}}
+    settings = ["stock", "8:spatial"]
+    terms = {"one_way": 0.5, "extra_tensors": (4.0,), "syncs": 2}
+    best, predicted = choose(compute, 2, 4, 8 * 2**20, 2**21, modes, settings, **terms)
+    _, bare = choose(compute, 2, 4, 8 * 2**20, 2**21, modes, settings)
+    for s in settings:
+        mode, wan = LinkMode.from_measured(modes, s, 8 * 2**20), WanSetting.parse(s)
+        assert predicted[s] == step_seconds(compute, 2, 4, 8 * 2**20, 2**21, mode, wan, **terms) > bare[s]
+    assert best == "8:spatial"
+
+
 def test_temporal_token_passes_when_the_send_returns_before_its_bytes_arrive():
     """A send returning within alpha went whole into the socket buffers: temporal sharing's token passes
     at once and the replicas share the link as with spatial sharing; a send that returns late holds it."""

@@ -164,9 +164,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(rtts: list[float], acts: list[int], conns: list[int], steps: int,
-        sharings: tuple[str, ...] = ("spatial", "temporal"), earlier_fit: bool = True) -> dict | None:
+        sharings: tuple[str, ...] = ("spatial", "temporal"), earlier_fit: bool = True,
+        rate_s: float = 3.0) -> dict | None:
     """The matrix; ``earlier_fit``: also the link constants measured before the cells by separate
-    processes (benchmarks.wan.link_constants), predicted beside the in-run ones for comparison."""
+    processes (benchmarks.wan.link_constants), predicted beside the in-run ones for comparison;
+    ``rate_s``: how long benchmarks.wan.link_rate's streams time the link's rate (without earlier_fit)."""
     from benchmarks.wan import link_constants, link_rate
     from launch.net import netns, two_dc
     from launch.net.wanemu import WanLink
@@ -183,7 +185,7 @@ def run(rtts: list[float], acts: list[int], conns: list[int], steps: int,
             two_dc.cap_buffers(link, WINDOW_KIB * 1024)
             # the link's rate (32 plain TCP streams); with earlier_fit, the separate processes' constants
             earlier = link_constants(link, connections=",".join(map(str, conns))) if earlier_fit else None
-            rate = earlier["link_Bps"] if earlier else link_rate(link)
+            rate = earlier["link_Bps"] if earlier else link_rate(link, rate_s)
             links[rtt_ms] = {"link_Bps": rate, "earlier": earlier}
             # the window for the launched plan: the nodes' limits (the prediction reads the run's own)
             window = min(host_window(lambda name, ns=ns: _read(ns, name), 1.0) for ns in (link.a, link.b))

@@ -51,6 +51,7 @@ class Wan:
     rate_mbit: float = 400.0
     window_kib: int = 128         # TCP buffer cap: one connection ~ 0.7 x window / RTT (~2 MB/s here)
     micro: int = 8                # sequences per micro-batch: [256, 8, 128] fp32 = 1 MiB per transfer
+    rate_s: float = 3.0           # how long benchmarks.wan.link_rate's 32 streams time the link's rate
 
     def describe(self) -> str:
         return f"2 DCs, RTT {self.rtt_ms:g} ms, {self.rate_mbit:g} Mbit/s, TCP buffers {self.window_kib} KiB"
@@ -99,7 +100,7 @@ def pipeline_rows(deepspeed_config: str, connections: int = 8, wan: Wan = Wan(),
         two_dc.cap_buffers(link, wan.window_kib * 1024)
         # the link's rate (32 plain TCP streams); what one transfer costs, each run measures on its own
         # connections just before its timed steps (ping-pongs, launch.net.pingpong)
-        bandwidth = link_rate(link)
+        bandwidth = link_rate(link, wan.rate_s)
         topo = two_dc.topology(link, 2, wan.rtt_ms, wan.rate_mbit, wan.window_kib * 1024, wan.model(2))
         # one launch trains both rows, each from the same seeded weights (examples/gpt/pipeline.py --rows)
         ranks = two_dc.launch(link, topo, Path(tmp), script, [*args, "--rows", "stock,atlas"],

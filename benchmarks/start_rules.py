@@ -32,6 +32,14 @@ def rule_of(cycle: int, rules: tuple) -> object:
     return rules[(cycle + cycle // ORDERS) % 2]
 
 
+def rules_from(cfg: dict) -> tuple | None:
+    """The benchmark's options as the two rules its cycles alternate (``--tail-quantile``'s first, None
+    for the mean cost), or None without ``--versus-quantile`` (one rule, no comparison)."""
+    if cfg.get("versus_quantile") is None:
+        return None
+    return cfg["tail_quantile"] or None, cfg["versus_quantile"] or None
+
+
 def check_pairs(pairs: int) -> None:
     """Two rules need whole 12-cycle rounds: each rule then meets every arm order equally often."""
     if pairs % (2 * ORDERS):

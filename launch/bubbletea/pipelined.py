@@ -122,14 +122,25 @@ class Rows:
     real: int
 
 
-def pipeline_setup(stage: int, stages: int, host: str, authkey: bytes, ahead: int = 2) -> dict:
+# The default back-pressure bound, from measurement (README, "back-pressure"): what a stage has in flight
+# downstream is its request rate times the feedback latency (Little's law: start of a request here ->
+# its "finished" from the next stage, seen at this stage's next plan). In benchmarks.bubbletea --pipelined
+# (prompts of 256 in chunks of 32, ~0.11 s iterations) the latency was 0.26-0.33 s (ahead x prompt /
+# tokens/s with the bound binding, ahead 2-8) and the first stage's unbounded rate 27-34 (GPT-2) and
+# 46-52 (CausalLM) requests/s: 7-11 and 12-17 in flight. 16 left the last stage's tokens/s at the
+# unbounded run's with its queue at or under 16 (unbounded: 38-45 and growing); 2 cut it to a sixth.
+AHEAD = 16
+
+
+def pipeline_setup(stage: int, stages: int, host: str, authkey: bytes, ahead: int | None = AHEAD) -> dict:
     """The service settings of one stage: a later stage listens on ``host`` (inside the data center).
     ``ahead``: the requests a stage may have started that the next stage has not finished; a stage with
-    that many in flight admits no new request until the next one reports one finished (back-pressure:
-    without it the first stage, whose prompts come from outside, kept finishing its part at its own pace
-    and a later stage with less room in its windows queued requests without bound, 82 in one run of
-    benchmarks.bubbletea --pipelined)."""
-    if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
+    that many in flight admits no new request until the next one reports one finished (back-pressure),
+    so a later stage with less room in its windows than the first queues at most ``ahead`` requests.
+    None: no bound (such a stage's queue then grows without bound: 82 at the end of one run). The bound
+    must cover the rate times the feedback latency or it starves the stages (:data:`AHEAD`); for other
+    prompt lengths or windows, about (requests the first stage prefills per iteration) x 2.5."""
+    if ahead is not None and (isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1):
         raise ValueError(f"ahead={ahead!r}: a stage must be allowed one request or more in flight downstream")
     return {"listen": host if stage > 0 else None, "authkey": authkey, "ahead": ahead}
 

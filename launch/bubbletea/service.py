@@ -123,7 +123,7 @@ class Service:
         # requests started here that the next stage has not finished (pipelined back-pressure: a new
         # request is admitted only while fewer than ``ahead`` are in flight downstream)
         self.ahead: set = set()
-        self.ahead_max: int = setup.get("ahead", 2)
+        self.ahead_max: int | None = setup.get("ahead")        # None: no bound
 
     def calibrate(self) -> tuple[float, float, float]:
         return fit_cost(self.model, self.spec.max_seq, self.spec.vocab, self.chunk_tokens, self.stream)
@@ -143,7 +143,8 @@ class Service:
         out, room = [], None if self.cap is None else self.cap - self.kv
         fresh = 0                         # requests admitted here that this stage has not started yet
         for rid, q in self.queue.items():
-            if q[2] is None and self.down is not None and len(self.ahead) + fresh >= self.ahead_max:
+            if (q[2] is None and self.down is not None and self.ahead_max is not None
+                    and len(self.ahead) + fresh >= self.ahead_max):
                 break                     # the next stage is behind: admit nothing new until it catches up
             fresh += q[2] is None
             if q[2] is None and room is not None:

@@ -1,69 +1,12 @@
-"""benchmarks.bubbletea's report: the slowdown is the median of paired on/stock ratios, the A/A control
-(tracing only vs stock) is reported beside it, and the JSON line carries the figures the issue asks for."""
+"""benchmarks.bubbletea, the command line: the cores each rank is bound to, the Hugging Face model it saves
+for the ranks (--hf-tiny), and the options it refuses."""
 
-import json
 from pathlib import Path
 
 import pytest
 
 from benchmarks import bubbletea as bench
-
-
-def _rank(rank, stock, on, profile, ttft):
-    return {"rank": rank, "last": True, "stock": stock, "on": on, "profile": profile, "util_off": 0.4,
-            "util_on": 0.7,
-            "train_busy_on": 4.0, "prefill_busy_on": 3.0, "wall_on": 10.0, "windows": [(5, 20.0)],
-            "ttft": ttft, "prefilled": len(ttft), "chunks": 8, "skipped": 1, "closed": 0,
-            "tokens_per_s": 100.0, "steady_iterations": 12, "tokens": 800 * (rank + 1),
-            "counters": {"queue": 2, "queue_peak": 3, "recalibrated": 0, "late": 1, "late_s": 0.002,
-                         "over_tail": 1,
-                         "cost_ratio_median": 0.9, "cost_ratio_p90": 1.2},
-            "time": {"ms": {"ForwardPass": [5.0, 5.5]}, "into_training": 1, "into_training_ms": 1.5,
-                     "wall_ms": {"off": [100.0, 3], "on_clear": [101.0, 2], "on_into": [104.0, 1]},
-                     "into_slow": []},
-            "gc": {"stock": [1.0, 0, 0.5], "on": [2.0, 0, 0.6], "profile": [1.0, 0, 0.5]},
-            "memory": {"cap": 2**30, "kv_peak": 2**20},
-            "window_report": {"median_rel_diff": 0.1, "plan_s": 0.02, "measured_s": 0.022,
-                              "windows": [{"tag": 5, "plan_ms": 20.0, "measured_ms": 22.0},
-                                          {"tag": 22, "plan_ms": None, "measured_ms": 12.6}]}}
-
-
-def test_report_pairs_the_arms(capsys):
-    cfg = {"wan_ms": 10.0, "hidden": 8, "layers": 2, "micro_batches": 2, "batch": 2, "lm_hidden": 8,
-           "lm_layers": 1, "prompt": 16, "chunk": 8, "guard_ms": 1.0, "outstanding": 1, "pairs": 3, "nice": 0,
-           "prefill_nice": 19, "prefill_idle": 1, "cpus": 2, "cores": [[0], [1]], "atlas": False,
-           "pipelined": False, "windows": "both", "tail_quantile": 0.9}
-    # pairs: 1.00/1.00, 1.10/1.00 (a noisy pair), 0.98/1.00 -> median ratio 1.00; medians of the arms alone
-    # would say otherwise if the pairs were not kept together
-    ranks = [_rank(0, [1.0, 1.0, 1.0], [1.0, 1.1, 0.98], [1.02, 1.0, 1.0], [0.5, 0.7]),
-             _rank(1, [2.0, 2.0, 2.0], [2.02, 2.02, 2.02], [2.0, 2.0, 2.0], [0.6])]
-    summary = bench.report(cfg, ranks, "1.0 1.0 1.0", "1.0 1.0 1.0")
-    out = capsys.readouterr().out
-    last = json.loads(out.strip().splitlines()[-1])
-    assert last == json.loads(json.dumps(summary))
-    assert summary["slowdown"] == pytest.approx(0.0)
-    assert summary["slowdown_per_rank"] == pytest.approx([0.0, 0.01])
-    assert summary["tracing_overhead"] == pytest.approx(0.0)
-    assert summary["prefill_tokens_per_s"] == pytest.approx(200.0)
-    assert summary["ttft_median_s"] == pytest.approx(0.6)
-    assert summary["utilisation"] == pytest.approx(0.4)
-    assert summary["utilisation_bubbletea"] == pytest.approx(0.7)
-    assert [r["share"] for r in summary["per_rank"]] == pytest.approx([1 / 3, 2 / 3])
-    assert summary["starved_ranks"] == [] and summary["per_rank"][1]["slowdown"] == pytest.approx(0.01)
-    assert ("Windows per rank, plan / measured ms by instruction (tag): rank 0: 5: 20.0 / 22.0, 22: - / "
-            "12.6; rank 1: 5: 20.0 / 22.0") in out
-
-
-def test_a_starved_rank_is_flagged(capsys):
-    cfg = {"wan_ms": 10.0, "cores": None, "atlas": False, "pipelined": False, "windows": "measured"}
-    ranks = [_rank(0, [1.0], [1.0], [1.0], []), _rank(1, [1.0], [1.0], [1.0], [0.5])]
-    ranks[0].update(chunks=0, tokens=0, dry_s=1.25, dry_iterations=10, on_iterations=12, starved=1)
-    rows = bench.rank_table(cfg, ranks)
-    assert [r["starved"] for r in rows] == [True, False]
-    out = capsys.readouterr().out
-    assert ("WARNING: rank 0's prefill service is starved: 0 chunks, 0% of the prefilled tokens "
-            "(even share 50%), 1.25 s of prefill-on iterations without a chunk") in out
-    assert "rank 0: 10 of 12 iterations, 1.25 s, re-timed 1x; rank 1: 0 of 0 iterations" in out
+from benchmarks.bubbletea_rank import prefill_spec
 
 
 def test_core_shares_split_like_bind_cores_to_rank():
@@ -74,41 +17,32 @@ def test_core_shares_split_like_bind_cores_to_rank():
 
 
 def test_a_hugging_face_model_is_the_spec_every_rank_prefills(tmp_path):
-    """--hf-tiny saves a random model of CausalLM's size, the ranks prefill its HFConfig; bad options fail."""
+    """--hf-tiny saves a random model of CausalLM's size, the ranks prefill its HFConfig; removed after."""
     pytest.importorskip("transformers")
     from launch.bubbletea import LMConfig
     from launch.bubbletea.hf import HFConfig
 
     cfg = {"hf": None, "hf_tiny": "llama", "lm_hidden": 64, "lm_layers": 2, "prompt": 48}
-    assert bench.prefill_spec(cfg) == LMConfig(hidden=64, layers=2, max_seq=48)
+    assert prefill_spec(cfg) == LMConfig(hidden=64, layers=2, max_seq=48)
     with bench.hf_model(cfg) as tiny:
-        spec = bench.prefill_spec(tiny)
+        spec = prefill_spec(tiny)
         assert isinstance(spec, HFConfig) and spec.path == str(Path(tiny["hf"]).resolve())
         assert (spec.model_type, spec.vocab, spec.max_seq, spec.layers, spec.heads, spec.hidden) == (
             "llama", LMConfig().vocab, 48, 2, 4, 64)
     assert not Path(tiny["hf"]).exists()                 # the temporary directory is gone
+
+
+def test_bad_options_are_refused_before_any_rank_starts(tmp_path, capsys):
+    pytest.importorskip("transformers")
     with pytest.raises(SystemExit, match="--pipelined with --sleeping-chunks: a sleeping chunk computes no"):
         bench.main(["--hf-tiny", "gpt2", "--pipelined", "--sleeping-chunks"])
+    assert (bench._ahead("none"), bench._ahead("3")) == (None, 3)
+    with pytest.raises(SystemExit, match="--pipeline-ahead=4: only with --pipelined"):
+        bench.main(["--pipeline-ahead", "4"])
+    with pytest.raises(SystemExit):
+        bench.main(["--pipelined", "--pipeline-ahead", "0"])
+    assert "'0': a number of requests, at least 1, or none (no bound)" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="one model or the other"):
         bench.main(["--hf-tiny", "gpt2", "--hf", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"--hf: path=.*not a directory with a config\.json"):
         bench.main(["--hf", str(tmp_path)])
-
-
-def test_where_the_time_goes_per_instruction_and_into_training():
-    from launch.bubbletea.engine import Iteration
-    from launch.bubbletea.timeline import Op
-
-    def it(on, recv_end, prefill):
-        ops = [Op(0, "ForwardPass", 0.0, 0.002), Op(0, "RecvGrad", 0.002, recv_end),
-               Op(0, "BackwardPass", recv_end, recv_end + 0.003)]
-        return Iteration(recv_end + 0.003, ops, prefill, on)
-
-    its = [it(False, 0.020, []), it(True, 0.030, [(0.003, 0.010), (0.011, 0.034)]),   # the 2nd ran 4 ms on
-           it(True, 0.024, [(0.003, 0.020)])]
-    got = bench.where_time_goes(its)
-    assert got["ms"]["RecvGrad"] == pytest.approx([18.0, 25.0])      # off; median of on (28, 22)
-    assert got["ms"]["BackwardPass"] == pytest.approx([3.0, 3.0])
-    assert (got["into_training"], got["into_training_ms"]) == (1, pytest.approx(4.0))
-    assert got["wall_ms"] == {"off": [23.0, 1], "on_clear": [27.0, 1], "on_into": [33.0, 1]}
-    assert got["into_slow"] == [[(1, "RecvGrad", 10.0)]]

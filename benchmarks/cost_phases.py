@@ -13,9 +13,10 @@ exclusively (a phase inside another is taken out of it), mean over ranks and rou
     rest      everything else: the team gathers' copies, D = rowsum(dO∘O), autograd, Python
 
 beside the model's parts (placement.compute_steps summed; estimate less that; the head all-to-alls;
-the profile's host work + memory traffic). A profile is read (--profile) or first calibrated on the same
-ranks (--calibrate, benchmarks.cost_model's calibration, written to --profile). The step is also timed
-without the counting (the first column): the counting's own cost is the difference.
+the profile's host work + memory traffic); then the messages by call (each counted function's exclusive
+CPU seconds and its calls per step, both per rank). A profile is read (--profile) or first calibrated on
+the same ranks (--calibrate, benchmarks.cost_model's calibration, written to --profile). The step is also
+timed without the counting (the first column): the counting's own cost is the difference.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Phases:
         self.targets, self.saved = list(targets), []
         self.incl: dict[str, float] = {}
         self.excl: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
         self._stack: list[float] = []
 
     def _wrap(self, fn, name: str):
@@ -50,6 +52,7 @@ class Phases:
                 dt, inner = time.process_time() - t, self._stack.pop()
                 self.incl[name] = self.incl.get(name, 0.0) + dt
                 self.excl[name] = self.excl.get(name, 0.0) + dt - inner
+                self.calls[name] = self.calls.get(name, 0) + 1
                 if self._stack:
                     self._stack[-1] += dt
         return counted
@@ -69,6 +72,7 @@ class Phases:
     def reset(self) -> None:
         self.incl.clear()
         self.excl.clear()
+        self.calls.clear()
 
 
 def wallfacer_targets():
@@ -98,7 +102,7 @@ def _measure(s: int, h: int, d: int, cands: list, rounds: int) -> dict:
     world = dist.get_world_size()
     steps = plan_steps(s, 1, h, d, cands)
     names = [plan_key(world, *c) for c in cands]
-    out = {n: {"plain": [], "counted": [], "split": []} for n in names}
+    out = {n: {"plain": [], "counted": [], "split": [], "calls": []} for n in names}
     for i in range(rounds):
         order = names[i % len(names):] + names[:i % len(names)]
         for n in order + order[::-1]:
@@ -114,6 +118,8 @@ def _measure(s: int, h: int, d: int, cands: list, rounds: int) -> dict:
                     out[n]["counted" if counted else "plain"].append(cpu)
                     if counted:
                         out[n]["split"].append(split(phases.excl, cpu))
+                        out[n]["calls"].append({m: (phases.excl.get(m, 0.0), phases.calls.get(m, 0))
+                                                for m in MESSAGES})
     return out
 
 
@@ -181,6 +187,13 @@ def main(argv=None) -> dict:
         parts = "".join(f"{1e3 * meas[k]:>12.1f} /{1e3 * model[k]:>6.1f}" for k in meas)
         label = f"U={cand[0]} C={cand[1]} {cand[2]}"
         print(f"{label:<16}{1e3 * plain:>7.1f}{1e3 * counted:>8.1f}{parts}")
+        out[key]["calls"] = {m: (statistics.median(statistics.mean(r["calls"][i][m][0] for r in rows)
+                                                   for i in runs),
+                                 statistics.mean(r["calls"][0][m][1] for r in rows)) for m in MESSAGES}
+    print("messages by call (CPU ms per rank, exclusive; calls per step, mean over ranks):")
+    for key, got in out.items():
+        print(f"  {key:<18}" + "  ".join(f"{m} {1e3 * t:.1f} ({n:g})" for m, (t, n) in got["calls"].items()
+                                         if n))
     return out
 
 

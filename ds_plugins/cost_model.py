@@ -56,9 +56,11 @@ from commweave.cost import AlphaBeta
 HEADER = 8
 """int32 words of a rank's header on the fill counts: ds_plugins.agreement.HEADER (which imports the
 config, which imports this module; tests/ds_plugins/test_cost_model.py ties the two)."""
-OPS = ("a2a@ep", "ag@esp", "rs@esp", "ar@esp", "ag@mp", "ar@mp", "gemm", "mem", "route")
+OPS = ("a2a@ep", "ag@esp", "rs@esp", "ar@esp", "ag@mp", "ar@mp", "gemm", "mem", "route", "gate")
 """Collectives on n bytes; "gemm" on n flops; "mem" a strided copy of n bytes; "route" dispatch + combine,
-forward and backward, on n = (k·S + E·C)·M·b bytes: the token side (k routes of S tokens) plus the buffer."""
+forward and backward, on n = (k·S + E·C)·M·b bytes: the token side (k routes of S tokens) plus the buffer;
+"gate" DeepSpeed's gating of fp32 logits [S, E] (softmax, top-k, masks, cumulative sums, capacity, l_aux),
+forward and backward, on n = S·E·4 bytes: some 60 small operations, so its α is some 60 calls'."""
 
 
 @dataclass(frozen=True)
@@ -132,12 +134,13 @@ def _pad(c: int, multiple: int) -> int:
 
 
 def _gate(costs: OpCosts, sh: LayerShape, backward_tokens: int) -> float:
-    """Gate GEMM forward on all S tokens, its two backward GEMMs on ``backward_tokens``, and its
-    element-wise work on [S, E] (about 60 passes: softmax, top-k, one-hot masks, cumulative sums, capacity
-    selection, and their backwards)."""
+    """Gate GEMM forward on all S tokens, its two backward GEMMs on ``backward_tokens``, and the gating of
+    the logits [S, E], forward and backward ("gate", timed as a whole: its ~60 small operations each pay a
+    call's overhead, which one "mem" pass over 60 times the bytes priced at a fifth to a tenth of the
+    gate's measured time, issue 23)."""
     flops = 2 * sh.hidden * sh.experts
     return (costs("gemm", flops * sh.tokens) + 2 * costs("gemm", flops * backward_tokens)
-            + costs("mem", 60 * sh.tokens * sh.experts * 4))
+            + costs("gate", sh.tokens * sh.experts * 4))
 
 
 def sync_free(sh: LayerShape) -> bool:
@@ -292,6 +295,7 @@ def cluster_costs(cl: Cluster, sh: LayerShape) -> OpCosts:
         "gemm": AlphaBeta(5e-6, 1 / cl.flops_per_s),
         "mem": AlphaBeta(3e-6, 2 / cl.mem_bytes_per_s),   # read + write
         "route": AlphaBeta(20e-6, 8 / cl.mem_bytes_per_s),  # encode, decode and their backwards
+        "gate": AlphaBeta(60 * 5e-6, 60 * 2 / cl.mem_bytes_per_s),  # ~60 kernels, each a launch and a pass
     }, overlap=cl.overlap)
 
 

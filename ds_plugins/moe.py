@@ -15,7 +15,7 @@ with the output replicated over the MP ranks, as DeepSpeed's. Every schedule rou
 DeepSpeed's gate on the whole batch, so the schedule changes the speed, never the result; the forward
 issues collectives on the layer's own groups only (ds_plugins.agreement, ds_plugins.selector), and works
 in training and eval, under ``torch.no_grad()`` / ``torch.inference_mode()`` and activation
-checkpointing.
+checkpointing (a recompute runs its forward's schedule, ds_plugins.recompute).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_group, bwc_tensor_mode
 from torch import nn
 
 from commweave import comm
-from ds_plugins import agreement, checkpoint, experts, inputs, moe_timers, selector
+from ds_plugins import agreement, checkpoint, experts, inputs, moe_timers, recompute, selector
 from ds_plugins import cost_cache as cost_cache_file
 from ds_plugins.config import ParmConfig, check_cost_cache_type, check_overlap_chunks, check_schedule
 from ds_plugins.groups import ParmGroups, check_layout
@@ -109,6 +109,7 @@ class ParmMoE(MoE):
         self._setup_error: str | None = None
         self.parm_groups: ParmGroups | None = None
         self.last_schedule: str | None = None
+        self.picks = recompute.Picks()
         self.seen_tokens: int | None = None
         """The largest token count on the headers of the layer's last forward that passed their check (the
         same on every rank of the layer, ds_plugins.schedules.sync_free), or None before any."""
@@ -176,7 +177,11 @@ class ParmMoE(MoE):
                 tokens = agreement.tokens(0 if error else x.shape[0], self.gate.training,
                                           self.gate.drop_tokens, self.parm_groups, self.gate.wg.weight.device,
                                           error)
-            schedule = self.schedule if self.schedule != "auto" else selector.choose(self, tokens, x.dtype)
+            if self.schedule == "auto":          # a recompute replays its forward's pick (recompute.Picks)
+                key = (self.gate.training, x.dtype, x.shape[0] if self.gate.drop_tokens else None)
+                schedule = self.picks.schedule(key, lambda: selector.choose(self, tokens, x.dtype))
+            else:
+                schedule = self.schedule
             self.last_schedule = schedule
             out, l_aux, exp_counts = SCHEDULES[schedule](self, x, used_token)
         self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts = l_aux, exp_counts

@@ -9,7 +9,8 @@ different schedules (which would deadlock) and no forward issues a collective ou
   on CPU): each collective the schedules use, on the layer's own process groups, from 64 B to 8 MiB (FSMoE
   §6.2: fp32 buffers, α and β by least squares); two collectives on different groups at once, for the
   overlap inefficiency γ; a GEMM, a copy and dispatch + combine forward and backward (called directly,
-  without autograd), for the local work, each run repeating its call back to back for at least
+  without autograd) and DeepSpeed's gating of a batch of logits (the one point timed with autograd), for
+  the local work, each run repeating its call back to back for at least
   :data:`WINDOW_S` (the share of a core a step's compute gets); one pass of the schedules' own chunked
   exchange code on a tiny buffer, for the per-call overhead δ that the lined-up collectives miss. Each rank
   keeps the median of 5 runs per point, the ranks agree on the median of those over the layer's MP and EP
@@ -41,9 +42,10 @@ import warnings
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.moe.sharded_moe import TopKGate
 
 from commweave import comm, cost
-from ds_plugins import agreement, cost_cache, cost_model, experts, overlap, reference
+from ds_plugins import agreement, cost_cache, cost_model, experts, overlap, reference, routing
 from ds_plugins.cost_model import LayerShape, OpCosts
 from ds_plugins.dispatch import backend, combine, dispatch
 
@@ -62,6 +64,8 @@ GEMM_ROWS = (16, 128, 1024, 2048)
 """Rows of the [rows, 512] x [512, 512] GEMMs fitted for "gemm": from one sparse expert's rows up."""
 COPY_ELEMENTS = (1 << 12, 1 << 16, 1 << 19, 1 << 21)
 ROUTE_TOKENS = (64, 256, 1024, 4096)
+GATE_LOGITS = ((64, 4), (256, 8), (1024, 8), (4096, 16))
+"""(S, E) of the gating points: DeepSpeed's top-2 gating of fp32 logits [S, E], forward and backward."""
 EXCHANGE_CHUNKS = 4
 """Chunks of the exchange pass timed for the per-call overhead (:meth:`_Bench.exchange`)."""
 WINDOW_S = 0.02
@@ -126,6 +130,23 @@ def _route_step(tokens: int, device: torch.device, hidden: int = 512, experts: i
             grad_buf, _ = torch.ops.commweave.combine_backward(dy, buf, indices, locations, gates, True, True)
             torch.ops.commweave.dispatch_backward(grad_buf, indices, locations, tokens)
     return step, (k * tokens + experts * capacity) * hidden * 4
+
+
+def _gate_step(tokens: int, experts: int, device: torch.device):
+    """(DeepSpeed's top-2 gating of random logits [S, E] forward and backward, its n bytes: S·E·4).
+
+    The gating's ~60 operations are timed as autograd runs them (the backward through l_aux and the
+    gates), so autograd is switched on for this point alone, whatever the caller's grad mode."""
+    gate = TopKGate(16, experts, k=2, capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=4)
+    with torch.inference_mode(False):
+        leaf = torch.randn(tokens, experts, device=device, requires_grad=True)
+
+    def step() -> None:
+        with torch.inference_mode(False), torch.enable_grad():
+            r = routing.gating(gate, leaf.clone())      # a GEMM's output in the layer: not a leaf
+            torch.autograd.backward([r.l_aux, r.gates], [torch.ones_like(r.l_aux), torch.ones_like(r.gates)])
+        leaf.grad = None
+    return step, tokens * experts * 4
 
 
 def _ranks_per_host() -> int:
@@ -257,7 +278,7 @@ class _Bench:
 
     def local(self) -> dict[str, tuple[list[float], list[float]]]:
         """GEMM (per flop), strided copy (per byte) and dispatch + combine (per buffer byte) on this rank."""
-        gemm, mem, route = ([], []), ([], []), ([], [])
+        gemm, mem, route, gate = ([], []), ([], []), ([], []), ([], [])
         w = torch.randn(512, 512, device=self.device)
         for rows in GEMM_ROWS:
             x = torch.randn(rows, 512, device=self.device)
@@ -271,7 +292,11 @@ class _Bench:
             fn, n = _route_step(tokens, self.device)
             route[0].append(n)
             route[1].append(self.steady(fn))
-        return {"gemm": gemm, "mem": mem, "route": route}
+        for tokens, width in GATE_LOGITS:
+            fn, n = _gate_step(tokens, width, self.device)
+            gate[0].append(n)
+            gate[1].append(self.steady(fn))
+        return {"gemm": gemm, "mem": mem, "route": route, "gate": gate}
 
     def exchange(self) -> tuple[cost_model.LayerShape, float]:
         """(its shape, the time) of one to_experts + from_experts pass of the schedules' own exchange code

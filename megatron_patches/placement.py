@@ -185,6 +185,13 @@ def _team_link(lay: Layout, nodes: list[int], topo: Topology) -> AlphaBeta | Non
     return AlphaBeta(topo.nic.alpha, max(topo.nic.beta * per_node, topo.flow.beta))
 
 
+def hop_messages(mode: str) -> int:
+    """Messages per backward sub-ring hop, each its own send and receive (backward.py): "kv" sends the K/V
+    and the dK/dV relay, "q" the stacked (q, dO), the stacked (lse, D) and the dQ relay. A forward hop is
+    one message (the K/V stack). The bytes are volume.py's either way; each message pays its α."""
+    return 2 if mode == "kv" else 3
+
+
 def estimate(lay: Layout, sh: Shard, nodes: list[int], topo: Topology, causal: bool = True) -> float:
     """Seconds for one attention forward + backward: collectives, placement, and G overlapped steps.
 
@@ -200,8 +207,11 @@ def estimate(lay: Layout, sh: Shard, nodes: list[int], topo: Topology, causal: b
     ring = [(r, lay.ring_next(r)) for r in range(world)]
     place = [(r, lay.place_target(r)) for r in range(world)]
 
-    def hop(n: float) -> float:
-        return topo.exchange(ring, nodes, n) if g > 1 else 0.0
+    def hop(n: float, messages: int = 1) -> float:
+        """One sub-ring hop of n bytes in ``messages`` messages (each its own send and receive: α each)."""
+        if g == 1:
+            return 0.0
+        return topo.exchange(ring, nodes, n) + (messages - 1) * topo.exchange(ring, nodes, 0.0)
 
     def steps(blocks: list[float], t_hop: float) -> float:
         return sum(topo.step_s(t, t_hop) for t in blocks[:-1]) + blocks[-1]
@@ -219,11 +229,12 @@ def estimate(lay: Layout, sh: Shard, nodes: list[int], topo: Topology, causal: b
            + scatter(c * sh.a_q * e))
     if mode == "kv":
         back = [(r, lay.place_source(lay.ring_next(r))) for r in range(world)]
-        ring_bwd = steps(bwd_c, hop(2 * c * sh.a_kv * (e + acc)))
+        ring_bwd = steps(bwd_c, hop(2 * c * sh.a_kv * (e + acc), hop_messages(mode)))
         home = topo.exchange(back, nodes, 2 * c * sh.a_kv * acc)
     else:  # q, dO, lse and D = rowsum(dO∘O) travel (volume.py), then dQ
         back = [(r, lay.place_source(r)) for r in range(world)]
-        ring_bwd = steps(bwd_c, hop(c * (2 * sh.a_q * e + 2 * sh.rows * acc + sh.a_q * acc)))
+        ring_bwd = steps(bwd_c, hop(c * (2 * sh.a_q * e + 2 * sh.rows * acc + sh.a_q * acc),
+                                    hop_messages(mode)))
         home = (hop(c * sh.a_q * acc)
                 + topo.exchange(back, nodes, 2 * c * sh.a_kv * acc))
     # dO and D gathered in the team; with C > 1 the team Q/K/V are rebuilt there (team_qkv="auto").

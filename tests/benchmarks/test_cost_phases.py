@@ -34,6 +34,9 @@ def test_phases_count_nested_calls_exclusively_and_restore_the_functions():
     inside = ph.incl["outer"] - ph.excl["outer"]
     assert 0.02 <= inside < ph.incl["inner"]
     assert ph.excl["outer"] >= 0.02
+    assert ph.calls == {"outer": 1, "inner": 3}
+    ph.reset()
+    assert ph.incl == ph.excl == ph.calls == {}
 
 
 def test_split_is_kernels_messages_and_the_rest():

@@ -19,7 +19,7 @@ from ds_plugins import ParmConfig, ParmMoE, cost_cache, selector
 from tests.ds_plugins.deepspeed_oracle import mlp, use_layout
 
 KEY = "world4-mp2-esp2-ep2-gloo"
-GOOD = [0.001, 1e-9] * 9 + [0.5]
+GOOD = [0.001, 1e-9] * 10 + [0.5]
 
 
 def _file(path, entries=None, **top) -> str:
@@ -78,18 +78,18 @@ BAD_FILES = {
     "another JSON file": ('{"train_micro_batch_size_per_gpu": 8}', "must be a cost cache written by Parm"),
     "NaN": (None, "NaN is not JSON"),
     "duplicate key": (None, "duplicate"),
-    "short entry": ({KEY: GOOD[:-2]}, f"entry '{KEY}' must be a list of 19 finite numbers"),
+    "short entry": ({KEY: GOOD[:-2]}, f"entry '{KEY}' must be a list of 21 finite numbers"),
     "negative": ({KEY: [-1.0, *GOOD[1:]]}, "finite numbers >= 0"),
     "overlap above 1": ({KEY: [*GOOD[:-1], 2.0]}, "overlap in [0, 1]"),
-    "strings": ({KEY: ["1"] * 19}, "finite numbers >= 0"),
-    "booleans": ({KEY: [True] * 19}, "finite numbers >= 0"),
+    "strings": ({KEY: ["1"] * 21}, "finite numbers >= 0"),
+    "booleans": ({KEY: [True] * 21}, "finite numbers >= 0"),
 }
 
 
 def _bad_text(case: str) -> str:
     content, _ = BAD_FILES[case]
     if case == "NaN":
-        return json.dumps({"format": cost_cache.FORMAT, "version": 1, "entries": {KEY: [float("nan")] * 19}})
+        return json.dumps({"format": cost_cache.FORMAT, "version": 1, "entries": {KEY: [float("nan")] * 21}})
     if case == "duplicate key":
         return f'{{"format": "{cost_cache.FORMAT}", "version": 1, "entries": {{}}, "entries": {{}}}}'
     if isinstance(content, dict):

@@ -53,8 +53,8 @@ def test_auto_fits_once_agrees_on_every_rank_and_caches(world, tmp_path):
         assert r["reloaded"] == pytest.approx(r["fitted"], rel=1e-12)
         # each rank's reading of the file agreed (ds_plugins.agreement.relay: over MP, EP, then MP again;
         # comm.disagreement sends the entry flag, the timeout, the message slots: 67 int64, 66 in the last
-        # round), then the 19 float64 parameters MAX-reduced over MP then EP
-        reduced = {"calls": 1, "sent": 19 * 8, "received": 19 * 8}
+        # round), then the 21 float64 parameters MAX-reduced over MP then EP
+        reduced = {"calls": 1, "sent": 21 * 8, "received": 21 * 8}
         assert r["reload_traffic"] == {
             "all_gather@mp": {"calls": 2, "sent": (67 + 66) * 8, "received": (67 + 66) * 8},
             "all_gather@ep": {"calls": 1, "sent": 67 * 8, "received": 67 * 8},
@@ -64,6 +64,7 @@ def test_auto_fits_once_agrees_on_every_rank_and_caches(world, tmp_path):
     costs = selector._from_tensor(torch.tensor(res[0]["fitted"], dtype=torch.float64))
     for op in ("a2a@ep", "ag@esp", "rs@esp", "ag@mp", "gemm", "mem"):
         assert costs.ops[op].beta > 0, op
+    assert costs("gate", 1024 * 8 * 4) > 0                   # the gating, timed at set-up
     assert set(costs.ops) == set(cost_model.OPS)
 
 

@@ -189,7 +189,9 @@ def _cpu(ranks_per_node, **kw):
 AUTO_CASES = {
     # one node, a fast kernel: Ulysses over 4, ring attention over the 2 groups
     (8, "auto", 8, 8, 16, True, (("latency_us", (5.0, 5.0)), ("tflops", 0.5))): (4, 1, "team-major"),
-    (8, "auto", 8, 8, 4, True, ()): (2, 1, "team-major"),      # tiny rows: U = 2, ring over 4 groups
+    # tiny rows, messages α-bound: U = 2, then C = 2 over the 4 groups (no sub-ring: a ring's backward hops
+    # are 3 messages each, placement.hop_messages)
+    (8, "auto", 8, 8, 4, True, ()): (2, 2, "team-major"),
     (8, 1, 4, 1, 4, True, ()): (2, 1, "team-major"),           # MQA, the K/V head replicated to 2
     (2, 1, 8, 8, 4, False, ()): (2, 1, "team-major"),          # nodes of 2 ranks: U <= 2
     (1, "auto", 8, 2, 4, True, ()): (1, 2, "team-major"),      # one rank per node: no Ulysses group

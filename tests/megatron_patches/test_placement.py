@@ -7,12 +7,13 @@ from megatron_patches.placement import (
     Topology,
     choose,
     estimate,
+    hop_messages,
     inter_node_bytes,
     nodes_of,
     ring_major,
     team_major,
 )
-from megatron_patches.volume import Shard
+from megatron_patches.volume import Shard, choose_backward
 
 SHARD = Shard(s=4096, b=1, hq=32, hkv=32, d=128, elt=2, acc=4)
 GQA = Shard(s=4096, b=1, hq=32, hkv=4, d=128, elt=2, acc=4)
@@ -92,3 +93,20 @@ def test_an_exchange_in_cpu_seconds_is_the_moving_ranks_share():
     ring = [(r, (r + 1) % 4) for r in range(4)]
     assert cpu.exchange(ring, nodes, n) == pytest.approx(one) == wall.exchange(ring, nodes, n)
     assert cpu.exchange([(r, r) for r in range(4)], nodes, n) == 0.0
+
+
+def test_every_message_of_a_backward_hop_pays_its_alpha():
+    """Ring attention on P = 4 ranks of one node, overlap 0 (so every message's time adds) and links far
+    faster than the bytes need: the estimate grows with α by α per message the code sends (counted against
+    the ledger in test_wallfacer.py) — 3 forward hops; 3 backward hops of 3 messages in "q" (MHA) plus the
+    dQ's hop home, or of 2 in "kv" (GQA) plus the dK/dV home."""
+    from dataclasses import replace
+
+    def topo(alpha_us: float) -> Topology:
+        spec = Topology.from_specs(8, 1e9, 1e9, intra_us=alpha_us)
+        return Topology.from_profile(replace(spec.profile, overlap=0.0))
+    lay, nodes = Layout(4, 1), [0] * 4
+    for sh, mode, messages in ((SHARD, "q", 3 + 3 * 3 + 1), (GQA, "kv", 3 + 3 * 2 + 1)):
+        assert choose_backward(lay, sh) == mode and hop_messages(mode) == {"q": 3, "kv": 2}[mode]
+        grow = estimate(lay, sh, nodes, topo(50.0)) - estimate(lay, sh, nodes, topo(0.0))
+        assert grow == pytest.approx(messages * 50e-6, rel=1e-6)

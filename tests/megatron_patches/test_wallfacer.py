@@ -15,7 +15,7 @@ import torch.distributed as dist
 from commweave import ledger
 from megatron_patches.groups import RING, TEAM
 from megatron_patches.layout import Layout, rank_chunks, valid_team_sizes
-from megatron_patches.placement import ring_major
+from megatron_patches.placement import hop_messages, ring_major
 from megatron_patches.volume import Shard, backward_bytes, forward_bytes, mean_p2p
 from megatron_patches.wallfacer import wallfacer_attention
 
@@ -179,6 +179,11 @@ def test_ledger_bytes_equal_formulas(world, c, mode, dtype):
             want = backward_bytes(lay, sh, r, mode, rebuild=team_qkv == "rebuild")
             assert _as_counts(fwd) == dict(forward_bytes(lay, sh, r)), f"rank {r} forward, {team_qkv}"
             assert _as_counts(bwd) == dict(want), f"rank {r} backward, {team_qkv}"
+            # the sub-ring messages the cost model prices, one α each (placement.estimate): G − 1 forward
+            # hops of one; G − 1 backward hops of hop_messages, and with "q" the dQ's hop to its team
+            g = lay.ring_len
+            assert fwd[f"send@{RING}"]["calls"] == g - 1
+            assert bwd[f"send@{RING}"]["calls"] == (g - 1) * hop_messages(mode) + (mode == "q")
 
 
 @pytest.mark.world_size(8)

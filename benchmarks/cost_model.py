@@ -152,13 +152,13 @@ def kernel_drift(refs: dict, prof, d: int) -> list[float]:
 
 
 def kernels_scaled(prof, factor: float):
-    """``prof`` with every attention call ``factor`` times as long (each curve's TFLOP/s / factor); links,
-    collectives, host work and memory traffic as measured."""
+    """``prof`` with every attention call ``factor`` times as long (each curve's TFLOP/s / factor, each
+    exact call's seconds x factor); links, collectives, host work and memory traffic as measured."""
     from megatron_patches.profile import Curve, Kernel
 
     att = {k: Kernel({h: Curve(tuple((w, t / factor) for w, t in c.points)) for h, c in kern.curves.items()})
            for k, kern in prof.attention.items()}
-    return replace(prof, attention=att)
+    return replace(prof, attention=att, calls={k: t * factor for k, t in prof.calls.items()})
 
 
 def world_table(world: int, args, calib_cfg: dict) -> dict:

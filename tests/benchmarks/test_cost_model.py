@@ -196,7 +196,8 @@ def test_kernel_drift_is_the_reference_calls_over_their_calibrated_price():
     slow = kernels_scaled(prof, 1.5)
     a, b = Topology.from_profile(prof), Topology.from_profile(slow)
     for rows, keys, diag, heads, back in ((n, n, True, 8, False), (128, 300, False, 2, True),
-                                          (64, 64, True, 4, True)):
+                                          (64, 64, True, 4, True), (256, 256, True, 8, False),
+                                          (128, 256, False, 8, True)):   # the last two: exact calls
         assert b.call_s(rows, keys, diag, heads, 64, back) == pytest.approx(1.5 * a.call_s(rows, keys, diag,
                                                                                          heads, 64, back))
     assert (slow.intra, slow.collectives, slow.overlap, slow.host, slow.memory) == \

@@ -210,8 +210,8 @@ def test_kernel_drift_is_the_reference_calls_over_their_calibrated_price():
                     "machine (README 'The cost model'); COMMWEAVE_COST_MODEL_RANKING=1 runs it, strictly")
 def test_the_model_ranks_the_candidates_as_measured_p4(capsys):
     """P = 4 as the README's runs (8 heads x 64, 512 rows per rank; U = 1 C = 1 / 2, U = 2 C = 1,
-    U = 4 C = 1), with their calibration (block sizes 128 .. 4096 at 8, 4, 2, 1 heads, messages 2^12 ..
-    2^22, 5 repetitions, host work), 3 rounds; the bar is asserted strictly, without the tie rule. Skipped
+    U = 4 C = 1), with their calibration (block sizes 128 .. 4096 at 8, 4, 2, 1 heads, every exact call of
+    the plans, messages 2^12 .. 2^22, 5 repetitions, host work), 3 rounds; the bar is asserted strictly, without the tie rule. Skipped
     unless COMMWEAVE_COST_MODEL_RANKING=1, because on this shared 2-core machine it does not hold reliably:
     the README's runs give tau-b 0.67 at P = 4 without the tie rule (ring and C = 2 within 0.2-2% of each
     other, swapped) and 0.82-0.91 with it."""

@@ -17,9 +17,9 @@ def test_sleeping_chunks_keep_the_cache_and_the_messages_without_the_work():
     logits = model.prefill_chunk(torch.arange(8), cache)
     assert cache.length == 8 and torch.equal(logits, torch.zeros(8, 40)) and list(model.seconds) == [(8, 0)]
     model.seconds[(8, 8)] = 0.05                   # a shape timed before: slept, not run
-    t0 = time.perf_counter()
+    t0, early = time.perf_counter(), model.overshoot   # less the sleeps' running overshoot
     model.prefill_chunk(torch.arange(8), cache)
-    assert time.perf_counter() - t0 >= 0.05 and cache.length == 16
+    assert 0.0 <= early < 0.01 and time.perf_counter() - t0 >= 0.05 - early and cache.length == 16
     assert torch.equal(cache.k, torch.zeros_like(cache.k))         # nothing computed into the cache
 
 

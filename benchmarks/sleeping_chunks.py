@@ -14,7 +14,8 @@ class SleepingChunks:
     shape (tokens, position) took when it first ran (the fastest of :data:`RUNS`) instead of computing
     it (no CPU, no cache traffic; the cache is filled with nothing, the outputs are zeros of the shape and
     dtype that first run gave). Every window, message, wake-up and hand-off happens as with prefill,
-    without the chunk's work: what separates a slowdown the chunk's compute causes from one the rest of BubbleTea causes.
+    without the chunk's work: what separates a slowdown the chunk's compute causes from one the rest of
+    BubbleTea causes.
 
     ``spec`` may be one stage of a pipelined model (``--pipelined``, :mod:`launch.bubbletea.pipelined`):
     a stage before the last then still returns :class:`~launch.bubbletea.pipelined.Rows` of the real

@@ -25,9 +25,9 @@ def test_sleeping_chunks_keep_the_cache_and_the_messages_without_the_work():
 
 def test_pipelined_sleeping_stages_still_send_rows_of_the_real_shape():
     """--pipelined --sleeping-chunks: two stage services over a real loopback link. Stage 0 sleeps its
-    chunks but sends one message per chunk whose rows have the shape, dtype and bytes the computing stage
-    sends (the oracle: the real stage run on the same chunks), all zeros; stage 1 runs on them and reports
-    the request finished back up the link."""
+    chunks but sends, at the end of the window, one message with every chunk's rows in the shape, dtype
+    and bytes the computing stage sends (the oracle: the real stage run on the same chunks), all zeros;
+    stage 1 runs on them and reports the request finished back up the link."""
     import torch
 
     from benchmarks.bubbletea_rank import rank_spec
@@ -42,12 +42,13 @@ def test_pipelined_sleeping_stages_still_send_rows_of_the_real_shape():
     prompt = torch.randint(specs[0].vocab, (40,), generator=torch.Generator().manual_seed(3))
     pair.services[0].handle(("submit", "p", prompt, 0.0))
     pair.window(0, 1)
-    rows = pair.take(1, 3)                       # stage 0's three chunks (16, 16, 8 tokens) crossed
+    rows = pair.take(1, 1)        # stage 0's three chunks (16, 16, 8 tokens) crossed in one message
     computing = specs[0].spec.build()
     cache = computing.new_cache(40)
     oracle = [computing.prefill_chunk(prompt[lo:lo + 16], cache) for lo in (0, 16, 32)]
-    assert [m[0] for m in rows] == ["activations"] * 3
-    sent = [m[5] for m in rows]
+    assert [(m[0], [part[:4] for part in m[1]]) for m in rows] == [
+        ("rows", [("p", 0, 16, 40), ("p", 16, 32, 40), ("p", 32, 40, 40)])]
+    sent = [part[4] for part in rows[0][1]]
     assert all(isinstance(r, Rows) for r in sent)
     assert [(r.x.shape, r.x.dtype, r.real) for r in sent] == [(o.x.shape, o.x.dtype, o.real) for o in oracle]
     assert sum(r.x.nbytes for r in sent) == sum(o.x.nbytes for o in oracle) == 3 * 16 * 32 * 4

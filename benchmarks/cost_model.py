@@ -22,13 +22,17 @@ tied_pairs); ties in the model (two orders that are the same links on one node) 
 the model's pick, how far its measured time is from the measured best and whether the two are a
 measured tie. The last line is JSON of the same.
 
+The calibration also measures exactly every block call the candidates make (choice.call_shapes: each
+plan's rectangles and diagonal blocks at its own heads per call, Profile.calls), so that no plan's
+kernels are priced off square blocks of other head counts.
+
 Kernel drift. The calibration and the candidates run minutes apart, and on a shared machine the seconds
 of a FLOP change in between (the same block call measured 15-25% apart within ten minutes, in CPU time
-too). So each round also times one block per curve (ref_rows: a block size the calibration measured, the
-problem's heads) with the calibration's own microbenchmark, and kernel_drift gives their seconds over
-their calibrated price; the "at drift" column is the model with every kernel call that median factor
-longer (kernels_scaled): a re-measurement of the calibration's kernels, not of any candidate. Both are
-printed; the bar is judged on the plain prediction.
+too). So each round also times every one of those exact calls once with the calibration's own
+microbenchmark, and kernel_drift gives their seconds over their calibrated price; the "at drift"
+column is the model with every kernel call that median factor longer (kernels_scaled): a re-measurement
+of the calibration's kernels, not of any candidate. Both are printed; the bar is judged on the plain
+prediction.
 """
 
 from __future__ import annotations
@@ -89,28 +93,26 @@ def name(u: int, c: int, order: str) -> str:
     return f"U={u} C={c}" + (f" {order}" if c > 1 else "")
 
 
-def _measure(s: int, b: int, h: int, d: int, cands: list, rounds: int, ref_rows: int) -> dict:
+def _measure(s: int, b: int, h: int, d: int, cands: list, rounds: int, calls: list) -> dict:
     """On every rank: each candidate's (wall, CPU) seconds per round. A round runs the candidates in a
     rotated order and then in its reverse (A B C … C B A, each round starting one later), and a
     candidate's value is the mean of its two runs: a load that drifts linearly over the round adds the
     same to every candidate. Wall: barrier to barrier (the slowest rank); CPU: this process's. Then the
-    reference kernel calls (kernel_drift: blocks of ``ref_rows``), timed as the calibration times them,
-    under "_refs"."""
+    reference kernel calls (kernel_drift: ``calls``, the calibration's exact calls), timed as the
+    calibration times them, under "_refs"."""
     import torch
     import torch.distributed as dist
 
-    from megatron_patches.calibrate import _attention, _timed
+    from megatron_patches.calibrate import _timed, call_bench
     from megatron_patches.host import plan_key, plan_steps
-    from megatron_patches.profile import CURVES
 
     world = dist.get_world_size()
     steps = plan_steps(s, b, h, d, cands)
     names = [plan_key(world, *c) for c in cands]
     out = {n: {"times": [], "cpu": []} for n in names}
     dev = torch.device("cpu")
-    refs = {c: _attention(ref_rows, b * h, d, torch.float32, dev, c.endswith("causal"), c.startswith("bwd"))
-            for c in CURVES}
-    out["_refs"] = {c: {"times": [], "cpu": []} for c in CURVES}
+    refs = {tuple(c): call_bench(c, d, torch.float32, dev) for c in calls}
+    out["_refs"] = {c: {"times": [], "cpu": []} for c in refs}
     for i in range(rounds):
         order = names[i % len(names):] + names[:i % len(names)]
         got = {n: [] for n in names}
@@ -131,60 +133,51 @@ def _measure(s: int, b: int, h: int, d: int, cands: list, rounds: int, ref_rows:
     return {"_refs": out["_refs"], **{name(*c): out[n] for c, n in zip(cands, names, strict=True)}}
 
 
-def kernel_drift(refs: dict, prof, rows: int, heads: int, d: int) -> list[float]:
+def kernel_drift(refs: dict, prof, d: int) -> list[float]:
     """Per round, the reference calls' measured seconds over their price in ``prof``: how much slower
     (> 1) or faster the kernels ran while the candidates were measured than while they were calibrated.
 
-    ``refs``: curve -> the round's seconds of one square block of ``rows`` rows over ``heads`` = b·h heads
-    (the calibration's own microbenchmark, calibrate._attention, in the profile's clock; ref_rows: a block
-    the calibration measured). On a shared machine
+    ``refs``: (curve, rows, keys, b·h heads) -> the round's seconds of that block call (the calibration's
+    own microbenchmark, calibrate.call_bench, in the profile's clock; the calls the candidates make, which
+    the calibration measured exactly). On a shared machine
     the CPU seconds of a FLOP change with what else runs (caches, memory bandwidth, the hypervisor), and
     the calibration and the candidates run minutes apart: a model priced at the calibration's speed is
     off by this factor on every kernel call, whatever its structure. Nothing here is a candidate's time."""
     from megatron_patches.placement import Topology
 
     topo = Topology.from_profile(prof)
-    price = sum(topo.call_s(rows, rows, c.endswith("causal"), heads, d, c.startswith("bwd"))
-                for c in refs)
+    price = sum(topo.call_s(rows, keys, c.endswith("causal"), heads, d, c.startswith("bwd"))
+                for c, rows, keys, heads in refs)
     return [sum(ts) / price for ts in zip(*refs.values(), strict=True)]
 
 
-def ref_rows(calib_cfg: dict, s: int, heads: int) -> int:
-    """The reference block of kernel_drift: the largest block the calibration measured at ``heads`` heads
-    that is no larger than a rank's s rows (else its smallest)."""
-    from megatron_patches.calibrate import kernel_rows
-
-    rows = kernel_rows(calib_cfg, heads)
-    return max([n for n in rows if n <= s] or rows[:1])
-
-
 def kernels_scaled(prof, factor: float):
-    """``prof`` with every attention call ``factor`` times as long (each curve's TFLOP/s / factor); links,
-    collectives, host work and memory traffic as measured."""
+    """``prof`` with every attention call ``factor`` times as long (each curve's TFLOP/s / factor, each
+    exact call's seconds x factor); links, collectives, host work and memory traffic as measured."""
     from megatron_patches.profile import Curve, Kernel
 
     att = {k: Kernel({h: Curve(tuple((w, t / factor) for w, t in c.points)) for h, c in kern.curves.items()})
            for k, kern in prof.attention.items()}
-    return replace(prof, attention=att)
+    return replace(prof, attention=att, calls={k: t * factor for k, t in prof.calls.items()})
 
 
 def world_table(world: int, args, calib_cfg: dict) -> dict:
     from commweave.world import World
     from megatron_patches.calibrate import calibrate
-    from megatron_patches.choice import candidates, plan_s
+    from megatron_patches.choice import call_shapes, candidates, plan_s
     from megatron_patches.placement import Topology
     from megatron_patches.volume import Shard
 
     s, b, h, d = args.seq_per_rank, args.batch, args.heads, args.head_dim
     sh, nodes = Shard(s, b, h, h, d, 4, 4), [0] * world
     cands = candidates(world, sh, nodes)
-    ref = ref_rows(calib_cfg, s, b * h)
+    calls = [list(c) for c in call_shapes(world, sh, nodes)]
     load0 = " ".join(f"{x:.1f}" for x in os.getloadavg())
     t0 = time.time()
     with World(world, timeout=3600, start_timeout=900) as w:
-        profiles = calibrate({**calib_cfg, "ranks": world}, world=w)
+        profiles = calibrate({**calib_cfg, "ranks": world, "calls": calls}, world=w)
         t1 = time.time()
-        per_rank = w.run(_measure, s, b, h, d, cands, args.reps + 1, ref, timeout=3600)
+        per_rank = w.run(_measure, s, b, h, d, cands, args.reps + 1, calls, timeout=3600)
     load1 = " ".join(f"{x:.1f}" for x in os.getloadavg())
     out = {"load": [load0, load1], "calibration_s": t1 - t0, "candidates_s": time.time() - t1,
            "profiles": {k: p.to_json() for k, p in profiles.items()}}
@@ -193,7 +186,7 @@ def world_table(world: int, args, calib_cfg: dict) -> dict:
         key, pick = ("times", max) if clock == "wall" else ("cpu", statistics.mean)
         refs = {c: [pick(r["_refs"][c][key][i] for r in per_rank) for i in range(1, args.reps + 1)]
                 for c in per_rank[0]["_refs"]}
-        drift = kernel_drift(refs, prof, ref, b * h, d)
+        drift = kernel_drift(refs, prof, d)
         at_drift = Topology.from_profile(kernels_scaled(prof, statistics.median(drift)), world)
         rows, series = [], []
         for u, c, order in cands:

@@ -149,7 +149,7 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     from commweave.world import World
     from megatron_patches.calibrate import calibrate, config
-    from megatron_patches.choice import candidates
+    from megatron_patches.choice import call_shapes, candidates
     from megatron_patches.placement import Topology
     from megatron_patches.profile import load, save
     from megatron_patches.volume import Shard
@@ -164,7 +164,8 @@ def main(argv=None) -> dict:
             cfg = config(["--out", a.profile, "--clock", "cpu", "--reps", "5", "--rows", "128", "256", "512",
                           "1024", "2048", "4096", "--sizes-log2", "12", "22", "--heads", *map(str, heads),
                           "--head-dim", str(d), "--max-rows-x-heads", str(int(world ** 0.5) * s * h)])
-            save(calibrate({**cfg, "ranks": world}, world=w)["cpu"], a.profile)
+            calls = [list(c) for c in call_shapes(world, sh, [0] * world)]  # as benchmarks.cost_model's
+            save(calibrate({**cfg, "ranks": world, "calls": calls}, world=w)["cpu"], a.profile)
         per_rank = w.run(_measure, s, h, d, cands, a.rounds + 1, timeout=3600)
     topo = Topology.from_profile(load(a.profile), world)
     load1 = " ".join(f"{x:.1f}" for x in os.getloadavg())

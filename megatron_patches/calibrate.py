@@ -21,6 +21,9 @@ time too. Each figure is the median over ``--reps`` repetitions of the slowest r
   three accumulations (as attend_backward does), all shapes interleaved (_timed_rounds); TFLOP/s
   counted as profile.FWD_FLOPS / BWD_FLOPS x score entries x b·h·d, against the work score entries x
   b·h (profile.py).
+- ``calls`` (--calls-for S H): every block call the plans of the world make for that problem
+  (choice.call_shapes: the rectangles and diagonal blocks at each plan's heads per call), each timed
+  exactly as the curves' blocks, interleaved with them; the profile holds their seconds (Profile.calls).
 - ``overlap``: one block forward (n = --overlap-rows) and one ring hop (--overlap-bytes) alone, then the
   hop posted before the block and waited after it: (t_block + t_hop − t_both) / min(t_block, t_hop).
 - ``gemm_tflops``: a [4096, H] x [H, H] matmul (H = --hidden), 2·4096·H² FLOPs.
@@ -59,6 +62,7 @@ from megatron_patches.profile import (
     Kernel,
     Link,
     Profile,
+    call_key,
     save,
 )
 
@@ -118,20 +122,24 @@ def _ring(n: int, device):
     return hop
 
 
-def _attention(rows: int, heads: int, d: int, dtype, device, causal: bool, backward: bool):
-    """One block call as wallfacer.py makes it: q, k, v, dO as [b, h, rows, d] views of [rows, b, h, d]
+def _attention(rows: int, heads: int, d: int, dtype, device, causal: bool, backward: bool,
+               keys: int | None = None):
+    """One block call as wallfacer.py makes it: q, dO as [b, h, rows, d] and k, v as [b, h, keys, d]
+    (keys = rows by default; a causal call is a diagonal block, keys = rows) views of [rows, b, h, d]
     tensors (steps.bhsd: the kernels take them strided), the forward merged into an all-gather-order
     accumulator (steps.attend), the backward's dq, dk, dv added into theirs (steps.attend_backward)."""
     from megatron_patches.block import select_kernel
     from megatron_patches.steps import _merge, bhsd
 
+    keys = rows if keys is None else keys
     kernel = select_kernel("auto", device, dtype, head_dim=d)
-    q, k, v, do = (bhsd(torch.randn(rows, 1, heads, d, dtype=dtype, device=device)) for _ in range(4))
+    q, do, k, v = (bhsd(torch.randn(n, 1, heads, d, dtype=dtype, device=device))
+                   for n in (rows, rows, keys, keys))
     o, lse = kernel.forward(q, k, v, d ** -0.5, causal)
     acc_o = torch.zeros(1, rows, 1, heads, d, dtype=torch.float32, device=device)
     bhsd(acc_o[0]).copy_(o)
     acc_lse = lse.float().clone()
-    grads = [torch.zeros(rows, 1, heads, d, dtype=torch.float32, device=device) for _ in range(3)]
+    grads = [torch.zeros(n, 1, heads, d, dtype=torch.float32, device=device) for n in (rows, keys, keys)]
 
     def fwd():
         o_b, lse_b = kernel.forward(q, k, v, d ** -0.5, causal)
@@ -141,6 +149,12 @@ def _attention(rows: int, heads: int, d: int, dtype, device, causal: bool, backw
         for acc, g in zip(grads, kernel.backward(do, q, k, v, o, lse, d ** -0.5, causal), strict=True):
             bhsd(acc).add_(g)
     return bwd if backward else fwd
+
+
+def call_bench(call, d: int, dtype, device):
+    """The microbenchmark of one exact block call (curve, rows, keys, heads): _attention of that shape."""
+    name, rows, keys, heads = call
+    return _attention(rows, heads, d, dtype, device, name.endswith("causal"), name.startswith("bwd"), keys)
 
 
 def kernel_rows(cfg: dict, heads: int) -> list[int]:
@@ -175,6 +189,7 @@ def measure(cfg: dict) -> dict:
     kernels = {(name, rows, h): _attention(rows, h, cfg["head_dim"], dtype, device, name.endswith("causal"),
                                            name.startswith("bwd"))
                for name in CURVES for h in cfg["heads"] for rows in kernel_rows(cfg, h)}
+    kernels.update({tuple(call): call_bench(call, cfg["head_dim"], dtype, device) for call in cfg["calls"]})
     out: dict = {"attention": _timed_rounds(kernels, reps, device)}
     del kernels
     a = torch.randn(4096, cfg["hidden"], dtype=dtype, device=device)
@@ -235,6 +250,8 @@ def profile_from(per_rank: list, cfg: dict, description: str, clock: str = "wall
                 pts.append((float(scores * h), per_flop * scores * h * cfg["head_dim"] / t / 1e12))
             table[h] = Curve(tuple(pts))
         curves[name] = Kernel(table)
+    calls = {call_key(*call, cfg["head_dim"]): _slowest(per_rank, lambda r, k=tuple(call): r["attention"][k])
+             for call in cfg["calls"]}
     gemm = 2 * 4096 * cfg["hidden"] ** 2 / _slowest(per_rank, lambda r: r["gemm"]) / 1e12
     provenance = {"ranks": len(per_rank), "device": cfg["device"], "dtype": cfg["dtype"], "clock": clock,
                   "load_before": cfg.get("load_before"), "load_after": os.getloadavg()[0],
@@ -244,7 +261,7 @@ def profile_from(per_rank: list, cfg: dict, description: str, clock: str = "wall
         provenance["links"] = (f"spec ({cfg['intra_gbytes']} GB/s, {cfg['intra_us']} us): one rank has no "
                                f"peer to measure")
         return Profile("measured", description, 1, Link(cfg["intra_us"] * 1e-6, cfg["intra_gbytes"]), {},
-                       curves, 1.0, gemm, provenance=provenance)
+                       curves, 1.0, gemm, provenance=provenance, calls=calls)
     sizes = cfg["sizes"]
     ring_s = [_slowest(per_rank, lambda r, n=n: r["ring"][n]) for n in sizes]
     ring = cost.fit(sizes, ring_s)
@@ -265,7 +282,7 @@ def profile_from(per_rank: list, cfg: dict, description: str, clock: str = "wall
     provenance.update(ring_r2=round(ring.r2, 4), overlap_s={k: round(v, 6) for k, v in ov.items()},
                       message_s=points)
     prof = Profile("measured", description, len(per_rank), intra, colls, curves, min(max(overlap, 0.0), 1.0),
-                   gemm, provenance=provenance)
+                   gemm, provenance=provenance, calls=calls)
     if "host" not in r0:
         return prof
     tiny = {k: _slowest(per_rank, lambda r, k=k: r["host"][k]) for k in r0["host"]}
@@ -322,6 +339,9 @@ def config(argv=None) -> dict:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--max-rows-x-heads", type=int, default=None,
                    help="measure a block of n rows at h heads only where n x h <= this (default: all)")
+    p.add_argument("--calls-for", type=int, nargs=2, default=None, metavar=("S", "H"),
+                   help="also measure exactly every block call the plans of --ranks ranks make for S rows "
+                        "per rank of H heads (batch 1, MHA, --head-dim; choice.call_shapes)")
     p.add_argument("--overlap-rows", type=int, default=512)
     p.add_argument("--overlap-bytes", type=int, default=1 << 20)
     p.add_argument("--host-rows", type=int, default=host.HOST_ROWS, choices=(0, host.HOST_ROWS),
@@ -340,6 +360,8 @@ def config(argv=None) -> dict:
         p.error(f"--sizes-log2 {lo} {hi} must satisfy 10 <= LO < HI <= 30")
     if not a.rows or min(a.rows) < 16 or len(set(a.rows)) != len(a.rows):
         p.error(f"--rows {a.rows} must be distinct sizes >= 16")
+    if a.calls_for is not None and min(a.calls_for) < 1:
+        p.error(f"--calls-for {a.calls_for[0]} {a.calls_for[1]} must be two integers >= 1")
     if not (a.intra_GBps > 0 and a.intra_latency_us >= 0):
         p.error(f"--intra-GBps {a.intra_GBps} must be > 0 and --intra-latency-us {a.intra_latency_us} >= 0")
     return {"out": a.out, "clock": a.clock, "ranks": a.ranks, "device": a.device, "dtype": a.dtype,
@@ -348,7 +370,17 @@ def config(argv=None) -> dict:
             "heads": sorted(set(a.heads)), "head_dim": a.head_dim, "hidden": a.hidden,
             "overlap_rows": a.overlap_rows, "max_rows_x_heads": a.max_rows_x_heads,
             "overlap_bytes": a.overlap_bytes, "host_rows": a.host_rows,
-            "intra_gbytes": a.intra_GBps, "intra_us": a.intra_latency_us}
+            "intra_gbytes": a.intra_GBps, "intra_us": a.intra_latency_us,
+            "calls": [] if a.calls_for is None else plan_calls(a.ranks, *a.calls_for, a.head_dim, a.dtype)}
+
+
+def plan_calls(ranks: int, s: int, h: int, d: int, dtype: str) -> list[list]:
+    """choice.call_shapes of every plan of ``ranks`` ranks on one node, s rows per rank, h heads of d."""
+    from megatron_patches.choice import call_shapes
+    from megatron_patches.volume import Shard
+
+    return [list(c) for c in call_shapes(ranks, Shard(s, 1, h, h, d, getattr(torch, dtype).itemsize, 4),
+                                         [0] * ranks)]
 
 
 def main(argv=None) -> Profile:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from commweave.cost import AlphaBeta
 from megatron_patches.hybrid import ulysses_error
 from megatron_patches.layout import Layout, team_size_error, valid_team_sizes
-from megatron_patches.placement import ORDERS, Topology, choose, estimate
+from megatron_patches.placement import ORDERS, Topology, choose, estimate, step_shapes
 from megatron_patches.volume import Shard
 
 
@@ -101,6 +101,23 @@ def candidates(world: int, sh: Shard, nodes: list[int]) -> list[tuple[int, int, 
                     seen.add(order(p, c))
                     out.append((u, c, name))
     return out
+
+
+def call_shapes(world: int, sh: Shard, nodes: list[int], causal: bool = True,
+                layout: str = "zigzag") -> list[tuple[str, int, int, int]]:
+    """Every distinct block call the candidates make (placement.step_shapes of each one's WallFacer over
+    the P/U groups, forward and backward), as (curve, rows, keys, b·h heads): what calibrate measures
+    exactly for this problem (Profile.calls), so that no plan's calls are priced off the square blocks."""
+    out = set()
+    for u, c, order in candidates(world, sh, nodes):
+        inner, p = _hybrid_parts(sh, u, nodes, None)[0], world // u
+        lay = Layout(p, c, ORDERS[order](p, c), layout)
+        for step in step_shapes(lay, inner.s, causal):
+            for calls, _ in step:
+                for rows, keys, diag in calls:
+                    for back in ("fwd", "bwd"):
+                        out.add((back + ("_causal" if diag else ""), rows, keys, inner.b * inner.hq))
+    return sorted(out)
 
 
 def plan(world: int, sh: Shard, nodes: list[int], topo: Topology | None, u: int,

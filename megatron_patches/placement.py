@@ -98,10 +98,14 @@ class Topology:
         return max(compute, hop) + (1 - self.profile.overlap) * min(compute, hop)
 
     def call_s(self, rows: int, keys: int, diag: bool, heads: int, d: int, backward: bool) -> float:
-        """One kernel call over ``heads`` = b·h heads of dim d: FWD/BWD_FLOPS x its score entries x b·h·d
-        at the profile's throughput for a call of that work (score entries x b·h)."""
+        """One kernel call over ``heads`` = b·h heads of dim d: its measured seconds where the profile
+        holds this exact call (Profile.calls), else FWD/BWD_FLOPS x its score entries x b·h·d at the
+        profile's throughput for a call of that work (score entries x b·h)."""
         scores = rows * (rows + 1) / 2 if diag else rows * keys
         name = ("bwd" if backward else "fwd") + ("_causal" if diag else "")
+        exact = self.profile.call_seconds(name, rows, keys, heads, d)
+        if exact is not None:
+            return exact
         per = BWD_FLOPS if backward else FWD_FLOPS
         return per * scores * heads * d / (self.profile.attention[name].tflops(heads, scores * heads) * 1e12)
 

@@ -26,6 +26,7 @@ attention benchmark's rows). The JSON file (``FORMAT``) is what ``--wallfacer-pr
      "host": {"8 1 2 team-major": 0.012, ...},           # host.py: seconds per plan "P U C order"
      "memory": {"gbytes": 4.1, "rows": 16, "row_bytes": {"8 1 2 team-major": 260000, ...},
                 "trace_bytes": 2048},                    # memory.py: traffic per row, copy bandwidth
+     "calls": {"bwd 1024 512 4 64": 0.061, ...},          # seconds of exact block calls (optional)
      "provenance": {...}}
 
 A collective on g ranks moving n bytes per rank on a link of β s/byte costs α_g + β·n·(g−1)/g / e_g: e_g = 1
@@ -44,6 +45,10 @@ Host work (host.py): the seconds a plan's forward + backward spends besides its 
 on the code path at 16 rows per rank less the model's price of that tiny problem, keyed "P U C order"
 (choice.plan_s adds it). Optional: a profile without it (the spec model, or one calibrated with
 ``--host-rows 0``) prices no host work, and Profile.host_s says 0 for a plan it does not hold.
+Exact calls, optional the same way: the seconds of each block call (curve, rows, keys, b·h heads, head
+dim) that the plans of one problem make (choice.call_shapes), measured as the curves are; a call priced
+from the profile takes its measured seconds where it has them (a plan's calls are rectangles, 512 x 1024
+at 8 heads or 1024 x 512 at 4, which the square blocks of the curves only bracket), else the curve.
 Memory traffic (memory.py), optional the same way: per plan the bytes per row per rank its code moves
 outside the kernel blocks (traced), the rows host.py's run already holds, the b·h·d·elt of the trace,
 and the copy bandwidth measured in the profile's clock; Profile.memory_s prices it.
@@ -159,6 +164,7 @@ class Profile:
     provenance: dict = field(default_factory=dict)
     host: dict = field(default_factory=dict)  # host.plan_key -> seconds
     memory: dict = field(default_factory=dict)  # {"gbytes", "rows", "trace_bytes", "row_bytes": {key: B}}
+    calls: dict = field(default_factory=dict)  # call_key -> seconds of that exact block call
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -185,6 +191,13 @@ class Profile:
             if not isinstance(key, str) or len(key.split()) != 4:
                 raise ValueError(f"profile host key {key!r} must be 'P U C order'")
             _number(t, f"host[{key!r}]", 0.0)
+        for key, t in self.calls.items():
+            why = call_key_error(key) if isinstance(key, str) else "is not a string"
+            if why:
+                raise ValueError(f"profile calls key {key!r} {why}: it must be 'curve rows keys heads "
+                                 f"head_dim' (a curve of {list(CURVES)}, four integers > 0; causal: "
+                                 f"rows = keys)")
+            _number(t, f"calls[{key!r}]", 0.0, strict=True)
         if self.memory:
             if set(self.memory) != {"gbytes", "rows", "trace_bytes", "row_bytes"} \
                     or not isinstance(self.memory["row_bytes"], dict):
@@ -212,6 +225,10 @@ class Profile:
             return 0.0
         return per_row * max(rows - m["rows"], 0) * row_bytes / m["trace_bytes"] / (m["gbytes"] * 1e9)
 
+    def call_seconds(self, name: str, rows: int, keys: int, heads: int, d: int) -> float | None:
+        """The measured seconds of exactly this block call (calls), None where it was not measured."""
+        return self.calls.get(call_key(name, rows, keys, heads, d))
+
     def collective(self, kind: str, g: int) -> Collective:
         """The measured (α, efficiency) of ``kind`` on g ranks; an unmeasured g takes the nearest measured
         size's efficiency and α scaled by its step count (g−1)/(g'−1); none measured: the ring algorithm
@@ -236,6 +253,22 @@ class Profile:
         return out
 
 
+def call_key(name: str, rows: int, keys: int, heads: int, d: int) -> str:
+    """The key of one exact block call in Profile.calls: the curve, its query rows and keys (a causal
+    call is a diagonal block: rows = keys), b·h heads and the head dim."""
+    return f"{name} {rows} {keys} {heads} {d}"
+
+
+def call_key_error(key: str) -> str:
+    """'' for a well-formed call_key, else what is wrong with it."""
+    parts = key.split()
+    if len(parts) != 5 or parts[0] not in CURVES or not all(x.isdigit() and int(x) > 0 for x in parts[1:]):
+        return "is not a curve and four integers > 0"
+    if parts[0].endswith("causal") and parts[1] != parts[2]:
+        return "is a causal call off the diagonal (rows != keys)"
+    return ""
+
+
 def _link(raw, name: str) -> Link | None:
     if raw is None:
         return None
@@ -253,7 +286,8 @@ def from_json(raw: dict, source: str = "<profile>") -> Profile:
                 if isinstance(got, str) and got.startswith(FORMAT[:-1]) else ""
             raise ValueError(f"format={got!r} must be {FORMAT!r}{again}")
         known = {"format", "source", "description", "ranks_per_node", "intra", "inter", "node_gbytes",
-                 "collectives", "attention", "overlap", "gemm_tflops", "provenance", "host", "memory"}
+                 "collectives", "attention", "overlap", "gemm_tflops", "provenance", "host", "memory",
+                 "calls"}
         if set(raw) - known:
             raise ValueError(f"unknown fields {sorted(set(raw) - known)}")
         colls = {}
@@ -284,13 +318,16 @@ def from_json(raw: dict, source: str = "<profile>") -> Profile:
         host = raw.get("host") or {}
         if not isinstance(host, dict):
             raise ValueError(f"host={host!r} must map 'P U C order' to seconds")
+        calls = raw.get("calls") or {}
+        if not isinstance(calls, dict):
+            raise ValueError(f"calls={calls!r} must map 'curve rows keys heads head_dim' to seconds")
         missing = [k for k in ("source", "ranks_per_node", "intra", "overlap", "gemm_tflops") if k not in raw]
         if missing:
             raise ValueError(f"missing fields {missing}")
         return Profile(raw["source"], str(raw.get("description", "")), raw["ranks_per_node"],
                        _link(raw["intra"], "intra"), colls, curves, raw["overlap"], raw["gemm_tflops"],
                        _link(raw.get("inter"), "inter"), raw.get("node_gbytes"), raw.get("provenance") or {},
-                       host, raw.get("memory") or {})
+                       host, raw.get("memory") or {}, calls)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
 

@@ -69,6 +69,27 @@ def test_host_work_decides_the_slot_order_within_one_team_size():
         assert got.seconds == pytest.approx(plan_s(8, sh, nodes, topo, 1, 2, want), rel=1e-12)
 
 
+def test_an_exact_call_round_trips_and_replaces_the_curve_for_that_call_only(tmp_path):
+    """Profile.calls: a measured call's seconds are what Topology.call_s prices it at (the curve's price
+    of the same shape differs by 3x), every other shape, the same rows at other heads, keys or curve
+    included, keeps the curve's price."""
+    from dataclasses import replace
+
+    from megatron_patches.placement import Topology
+
+    prof = spec_profile(8, 10.0, 10.0)
+    curve = Topology.from_profile(prof)
+    want = 3 * curve.call_s(1024, 512, False, 4, 64, True)
+    timed = replace(prof, calls={profile.call_key("bwd", 1024, 512, 4, 64): want})
+    save(timed, str(tmp_path / "c.json"))
+    got = Topology.from_profile(load(str(tmp_path / "c.json")))
+    assert got.profile.calls == {"bwd 1024 512 4 64": want}
+    assert got.call_s(1024, 512, False, 4, 64, True) == want
+    for shape in ((1024, 512, False, 4, 64, False), (512, 1024, False, 4, 64, True),
+                  (1024, 512, False, 8, 64, True), (1024, 512, False, 4, 128, True)):
+        assert got.call_s(*shape) == curve.call_s(*shape)
+
+
 def test_curve_interpolates_log_log_and_holds_at_the_ends():
     c = Curve(((100.0, 1.0), (10000.0, 4.0)))
     assert c.tflops(10.0) == 1.0 and c.tflops(1e6) == 4.0
@@ -117,6 +138,10 @@ def _raw():
     (lambda r: r.update(host=[1]), "host=[1] must map 'P U C order' to seconds"),
     (lambda r: r.update(host={"8 1": 1.0}), "host key '8 1' must be 'P U C order'"),
     (lambda r: r.update(host={"8 1 2 team-major": -1.0}), "host['8 1 2 team-major']=-1.0 must be a finite"),
+    (lambda r: r.update(calls=[1]), "calls=[1] must map 'curve rows keys heads head_dim' to seconds"),
+    (lambda r: r.update(calls={"fwd 512 256 8": 1.0}), "calls key 'fwd 512 256 8' is not a curve and four"),
+    (lambda r: r.update(calls={"fwd_causal 512 256 8 64": 1.0}), "is a causal call off the diagonal"),
+    (lambda r: r.update(calls={"bwd 512 256 8 64": 0.0}), "calls['bwd 512 256 8 64']=0.0 must be a finite"),
 ])
 def test_bad_profiles_name_the_field(edit, message):
     raw = _raw()

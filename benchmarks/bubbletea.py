@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
                          "multiple of 12 (benchmarks.start_rules)")
     ap.add_argument("--sleeping-chunks", action="store_true",
                     help="each chunk sleeps the time its shape took once instead of computing: BubbleTea's "
-                         "windows, messages and hand-offs without the chunks' work (SleepingChunks)")
+                         "windows, messages and hand-offs without the chunks' work (SleepingChunks); "
+                         "with --pipelined a stage still sends zero rows of the real shape to the next")
     ap.add_argument("--outstanding", type=int, default=8,
                     help="prompts kept queued per rank; 0: windows open, nothing to prefill")
     ap.add_argument("--history", type=int, default=5)
@@ -178,9 +179,6 @@ def main(argv: list[str] | None = None) -> None:
     if "pipeline_ahead" in cfg and not cfg["pipelined"]:
         raise SystemExit(f"--pipeline-ahead={cfg['pipeline_ahead']}: only with --pipelined")
     cfg.setdefault("pipeline_ahead", AHEAD)
-    if cfg["pipelined"] and cfg["sleeping_chunks"]:
-        raise SystemExit("--pipelined with --sleeping-chunks: a sleeping chunk computes no rows for the next "
-                         "stage")
     if cfg["hf"]:
         try:                  # refused here, before any rank starts
             prefill_spec(cfg)

@@ -87,14 +87,11 @@ def bench_rank(cfg: dict) -> dict:
         wan = enable_deepspeed(atlas_plan(cfg), ifname=cfg["ifname"])
     else:
         wan = emulate_wan_latency(cfg["wan_ms"] / 1e3)
-    lm = SleepingChunks(prefill_spec(cfg)) if cfg["sleeping_chunks"] else prefill_spec(cfg)
     stage, stages = engine.stage_id, engine.num_stages
-    pipeline, spec = None, lm
+    spec, pipeline = rank_spec(cfg, stage, stages), None
     if cfg["pipelined"]:           # the inference model's layers split over the training stages
-        from launch.bubbletea.hf_pipelined import split_hf
-        from launch.bubbletea.pipelined import pipeline_setup, shared_key, split
+        from launch.bubbletea.pipelined import pipeline_setup, shared_key
 
-        spec = (split_hf if cfg.get("hf") else split)(lm, stages)[stage]
         pipeline = pipeline_setup(stage, stages, "127.0.0.1", shared_key(dist.group.WORLD),
                                   ahead=cfg["pipeline_ahead"])
     server = PrefillServer(spec, cfg["chunk"], callback=lambda r: loop(r), guard=cfg["guard_ms"] / 1e3,
@@ -235,6 +232,20 @@ def prefill_spec(cfg: dict):
     from launch.bubbletea import LMConfig
 
     return LMConfig(hidden=cfg["lm_hidden"], layers=cfg["lm_layers"], max_seq=cfg["prompt"])
+
+
+def rank_spec(cfg: dict, stage: int, stages: int):
+    """What this rank's service prefills: :func:`prefill_spec`'s model, pipelined its layers of stage
+    ``stage`` (:func:`launch.bubbletea.pipelined.split`, or ``split_hf``); with ``--sleeping-chunks`` that
+    spec's chunks sleep (:class:`SleepingChunks`; pipelined, a stage still sends zero rows of the real
+    shape to the next)."""
+    spec = prefill_spec(cfg)
+    if cfg["pipelined"]:
+        from launch.bubbletea.hf_pipelined import split_hf
+        from launch.bubbletea.pipelined import split
+
+        spec = (split_hf if cfg.get("hf") else split)(spec, stages)[stage]
+    return SleepingChunks(spec) if cfg["sleeping_chunks"] else spec
 
 
 def atlas_plan(cfg: dict):

@@ -3,11 +3,12 @@
 The default keeps a whole copy of the inference model beside every rank (:mod:`.engine`'s docstring says
 why). A model larger than one rank's spare memory is split instead: stage j of the inference pipeline
 holds layers [a_j, a_{j+1}) (the first also the embeddings, the last the final LayerNorm and the head)
-and the KV cache of those layers only. A prefill chunk runs on stage j in that rank's window, and its
-output rows go to stage j+1's service over a socket inside the data center (the training's WAN
-boundaries never carry it: :func:`stage_ranks` takes the ranks of one data center); the next stage runs
-them in *its* next window. The last stage hands off the first token; each stage's callback receives
-its own layers' cache, where a decoder pipelined the same way continues.
+and the KV cache of those layers only. A prefill chunk runs on stage j in that rank's window, and the
+output rows of the window's chunks go, in one message when its chunks are done, to stage j+1's service
+over a socket inside the data center (the training's WAN boundaries never carry it: :func:`link_stages`
+takes the ranks of one data center; one message per window, not per chunk: :meth:`.service.Service.flush`
+says why); the next stage runs them in *its* next window. The last stage hands off the first token;
+each stage's callback receives its own layers' cache, where a decoder pipelined the same way continues.
 
 Exactness: a stage runs exactly what the whole model runs for those layers — the same rows (a chunk
 shorter than ``MIN_ROWS`` is padded on the first stage and its padding rows travel with it), the same

@@ -23,7 +23,9 @@ Messages in (pickled, over a pipe), one per line of the protocol:
     ("recalibrate",)                     time the model again (a cost model that starved the rank)
     ("quantile", q | None)               the start rule's tail quantile from now on (None: the mean cost)
     ("ping", n)                          reply ("pong", n) once everything before it is done
-    ("finished", id)                     pipelined, from the next stage's link: it finished its part of id
+    ("rows", [(id, lo, hi, total, x, t_submit), ...])  pipelined, from the previous stage's link: the
+                                         outputs of the chunks it ran in one window (or one drain)
+    ("finished", id, ...)                pipelined, from the next stage's link: it finished its part of them
     ("stop",)
 Messages out: ("ready", fit), ("chunk", t0, t1, tokens, ratio, predicted, deadline, tail) (predicted:
 the mean cost, tail: the start rule's, :mod:`.cost`; deadline 0: no window), ("skipped", n, "closed" |
@@ -124,6 +126,9 @@ class Service:
         # request is admitted only while fewer than ``ahead`` are in flight downstream)
         self.ahead: set = set()
         self.ahead_max: int | None = setup.get("ahead")        # None: no bound
+        # what a window's chunks hand on, sent once when the window's chunks are done (:meth:`flush`)
+        self.rows_out: list = []                              # to the next stage
+        self.finished_out: list = []                          # to the previous one
 
     def calibrate(self) -> tuple[float, float, float]:
         return fit_cost(self.model, self.spec.max_seq, self.spec.vocab, self.chunk_tokens, self.stream)
@@ -160,12 +165,12 @@ class Service:
         if kind == "submit":
             _, rid, tokens, t_submit = msg
             self.queue[rid] = [tokens, t_submit, None, 0, len(tokens)]
-        elif kind == "activations":                  # a chunk's output from the previous stage
-            _, rid, lo, hi, total, x, t_submit = msg
-            if rid not in self.queue:                # a new request for this stage: the rank counts it
-                self.emit("arrived", rid)
-            q = self.queue.setdefault(rid, [Arrived(), t_submit, None, 0, total])
-            q[0].add(lo, hi, x)
+        elif kind == "rows":                         # the previous stage's chunks of one of its windows
+            for rid, lo, hi, total, x, t_submit in msg[1]:
+                if rid not in self.queue:            # a new request for this stage: the rank counts it
+                    self.emit("arrived", rid)
+                q = self.queue.setdefault(rid, [Arrived(), t_submit, None, 0, total])
+                q[0].add(lo, hi, x)
         elif kind == "link":                         # pipelined: accept the previous stage, reach the next
             if msg[1] == "accept":
                 self.up = self.listener.accept()
@@ -186,6 +191,7 @@ class Service:
                 q = self.queue[rid]
                 for chunk in Request(rid, len(q[0]), done=q[3]).chunks(self.chunk_tokens):
                     self.run_chunk(chunk)
+            self.flush()
             if self.down is not None:         # pipelined: the next stage drains once all of it arrived
                 send(self.down, *DRAINED)
         elif kind == "cap":
@@ -194,8 +200,8 @@ class Service:
         elif kind == "recalibrate":
             self.costs.refit(self.calibrate())
             self.emit("fit", self.fit)
-        elif kind == "finished":                     # the next stage finished its part of a request
-            self.ahead.discard(msg[1])
+        elif kind == "finished":                     # the next stage finished its part of these requests
+            self.ahead.difference_update(msg[1:])
         elif kind == "quantile":                     # the samples stay: both rules see the same machine
             self.costs.quantile = check_quantile(msg[1])
         elif kind == "ping":
@@ -212,12 +218,28 @@ class Service:
         for i, chunk in enumerate(chunks):
             if self.window[0] != seq or self.window[1] == 0.0:
                 self.emit("skipped", len(chunks) - i, "closed")
-                return
+                break
             deadline = self.window[1]
             if time.perf_counter() + self.cost(chunk) + self.guard > deadline:
                 self.emit("skipped", len(chunks) - i, "short")
-                return
+                break
             self.run_chunk(chunk, deadline)
+        self.flush()
+
+    def flush(self) -> None:
+        """Pipelined: hand on what this window's chunks produced, one message per link. Per chunk, the
+        rows' message landed at a random time in the next stage's compute (the stages' windows are the
+        other's compute): each woke that stage's SCHED_IDLE link and service threads there, about 45 times
+        an iteration in benchmarks.bubbletea --pipelined, and ForwardPass + BackwardPass grew 1-2 ms an
+        iteration with chunks that computed nothing (--sleeping-chunks) as with chunks that did (README).
+        The next stage packs its queue once per iteration (its plan), so rows that come at the end of
+        the window rather than chunk by chunk are run no later in most windows."""
+        if self.rows_out:
+            send(self.down, "rows", self.rows_out)
+            self.rows_out = []
+        if self.finished_out:
+            send(self.up, *FINISHED, *self.finished_out)
+            self.finished_out = []
 
     def run_chunk(self, chunk: Chunk, deadline: float = 0.0) -> None:
         """Run one chunk; ``deadline``: the end of the window it was started in (0: none, a drain)."""
@@ -239,12 +261,12 @@ class Service:
         q[3] = chunk.hi
         self.costs.observe(chunk, t1 - t0, t1)
         self.emit("chunk", t0, t1, chunk.tokens, self.costs.ratio, predicted, deadline, tail)
-        if self.down is not None:                  # to the next stage, inside the data center
-            send(self.down, chunk.request, chunk.lo, chunk.hi, total, logits, t_submit)
+        if self.down is not None:                  # to the next stage, at the window's end (flush)
+            self.rows_out.append((chunk.request, chunk.lo, chunk.hi, total, logits, t_submit))
         if chunk.hi == total:
             del self.queue[chunk.request]
             if self.up is not None:                # the previous stage may admit another request
-                send(self.up, *FINISHED, chunk.request)
+                self.finished_out.append(chunk.request)
             self.kv -= cache.nbytes                    # handed off: the caller's from here
             if self.down is not None:              # a stage's part: its layers' cache, no logits yet
                 self.emit("done", chunk.request, cache, None, None, t_submit, t1, self.memory())
@@ -286,12 +308,7 @@ def _forward(conn: Connection, post: Callable) -> None:
     try:
         while True:
             msg = recv(conn)        # by value: torch's reductions would pass tensors as fds
-            if msg == DRAINED:
-                post(("drain",))
-            elif msg[:1] == FINISHED:
-                post(msg)
-            else:
-                post(("activations", *msg))
+            post(("drain",) if msg == DRAINED else msg)
     except (EOFError, OSError):
         return
 

@@ -34,8 +34,6 @@ def test_a_hugging_face_model_is_the_spec_every_rank_prefills(tmp_path):
 
 def test_bad_options_are_refused_before_any_rank_starts(tmp_path, capsys):
     pytest.importorskip("transformers")
-    with pytest.raises(SystemExit, match="--pipelined with --sleeping-chunks: a sleeping chunk computes no"):
-        bench.main(["--hf-tiny", "gpt2", "--pipelined", "--sleeping-chunks"])
     assert (bench._ahead("none"), bench._ahead("3")) == (None, 3)
     with pytest.raises(SystemExit, match="--pipeline-ahead=4: only with --pipelined"):
         bench.main(["--pipeline-ahead", "4"])

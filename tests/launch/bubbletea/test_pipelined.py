@@ -2,7 +2,6 @@
 equal the whole model's bit for bit — stage by stage in one process, through linked services, and on
 2 CPU ranks prefilling in the bubbles of a DeepSpeed pipeline whose training stays bit-identical."""
 
-import os
 import threading
 import time
 
@@ -160,59 +159,20 @@ def test_pipelined_prefill_in_the_bubbles_is_exact_and_leaves_training_bit_equal
 def test_a_stage_admits_no_new_request_while_the_next_is_behind():
     """Two stage services in this process over a real link, ``ahead`` 1: stage 0 starts one of its two
     queued requests and holds the other back until stage 1 reports the first finished."""
-    import array
-    import queue
+    from tests.launch.bubbletea.stage_pair import StagePair
 
-    from launch.bubbletea.service import Service
-
-    key, boxes, outs = b"b" * 16, [queue.Queue(), queue.Queue()], [[], []]
-    windows = [memoryview(array.array("d", [0.0, 0.0])) for _ in range(2)]
-    setups = [{"model": spec, "chunk_tokens": 8, "guard": 0.0, "cost": (1e-4, 0.0, 0.0),
-               **pipeline_setup(j, 2, "127.0.0.1", key, ahead=1)} for j, spec in enumerate(split(CFG, 2))]
-    services = [Service(lambda *m, j=j: outs[j].append(m), windows[j], setups[j], post=boxes[j].put)
-                for j in range(2)]
-    accept = threading.Thread(target=services[1].handle, args=(("link", "accept"),))
-    accept.start()
-    services[0].handle(("link", services[1].address))
-    accept.join()
-
-    def window(j, tag):
-        """Stage j: what its link brought, then one long window."""
-        while not boxes[j].empty():
-            services[j].handle(boxes[j].get())
-        services[j].handle(("windows", [(tag, 0.0, 60.0)]))
-        windows[j][1], windows[j][0] = time.perf_counter() + 60.0, float(tag)
-        services[j].handle(("open", tag, float(tag)))
-
-    def done(j):
-        return [m[1] for m in outs[j] if m[0] == "done"]
-
+    key = b"b" * 16
+    pair = StagePair(split(CFG, 2), 8, key, ahead=1)
     for rid in ("a", "b"):
-        services[0].handle(("submit", rid, _prompt(8, len(rid)), 0.0))
-    window(0, 1)
-    assert done(0) == ["a"] and services[0].ahead == {"a"}        # "b" held back: "a" is in flight
-    window(0, 2)
-    assert done(0) == ["a"]
-
-    def arrived(j):                    # a message over the loopback link: rows, or "finished" coming back
-        deadline = time.monotonic() + 30
-        while boxes[j].empty() and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-    arrived(1)
-    window(1, 1)
-    assert done(1) == ["a"]
-    arrived(0)
-    window(0, 3)
-    assert done(0) == ["a", "b"] and services[0].ahead == {"b"}
-    import socket
-
-    # shut the link down under its readers (they see EOF and end), then close everything
-    socket.socket(fileno=os.dup(services[0].down.fileno())).shutdown(socket.SHUT_RDWR)
-    deadline = time.monotonic() + 30
-    while any("_forward" in t.name for t in threading.enumerate()) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    for conn in (services[0].down, services[1].up, services[1].listener):
-        conn.close()
+        pair.services[0].handle(("submit", rid, _prompt(8, len(rid)), 0.0))
+    pair.window(0, 1)
+    assert pair.done(0) == ["a"] and pair.services[0].ahead == {"a"}        # "b" held back: "a" in flight
+    pair.window(0, 2, pair.take(0))
+    assert pair.done(0) == ["a"]
+    pair.window(1, 1, pair.take(1, 1))         # a message over the loopback link: "a"'s rows
+    assert pair.done(1) == ["a"]
+    pair.window(0, 3, pair.take(0, 1))         # ... and "finished" coming back
+    assert pair.done(0) == ["a", "b"] and pair.services[0].ahead == {"b"}
+    pair.close()
     with pytest.raises(ValueError, match="ahead=0: a stage must be allowed one request or more"):
         pipeline_setup(0, 2, "127.0.0.1", key, ahead=0)

@@ -16,7 +16,9 @@ beside the model's parts (placement.compute_steps summed; estimate less that; th
 the profile's host work + memory traffic); then the messages by call (each counted function's exclusive
 CPU seconds and its calls per step, both per rank). A profile is read (--profile) or first calibrated on
 the same ranks (--calibrate, benchmarks.cost_model's calibration, written to --profile). The step is also
-timed without the counting (the first column): the counting's own cost is the difference.
+timed without the counting (the first column): the counting's own cost is the difference. The last column
+prices the kernels again from the plans' exact calls (choice.call_shapes) timed alone in the same rounds as
+the steps (same_round_profile): a kernel gap left there is in how a step runs its calls, not in drift.
 """
 
 from __future__ import annotations
@@ -92,17 +94,24 @@ def split(excl: dict[str, float], step: float) -> dict[str, float]:
     return {"kernels": kern, "messages": msgs, "rest": step - kern - msgs}
 
 
-def _measure(s: int, h: int, d: int, cands: list, rounds: int) -> dict:
+def _measure(s: int, h: int, d: int, cands: list, rounds: int, calls: list) -> dict:
     """On every rank: per candidate and round, the step's CPU seconds without and with the counting, and
-    the counted split (rounds interleaved and reversed as benchmarks.cost_model's; the first dropped)."""
+    the counted split (rounds interleaved and reversed as benchmarks.cost_model's; the first dropped);
+    then, each round, every exact call of ``calls`` once, the calibration's way (calibrate.call_bench),
+    under "_calls": the same calls timed alone at the same time as the steps, so the kernels' split can be
+    priced without the minutes of drift between a calibration and the steps."""
+    import torch
     import torch.distributed as dist
 
+    from megatron_patches.calibrate import _timed, call_bench
     from megatron_patches.host import plan_key, plan_steps
 
     world = dist.get_world_size()
     steps = plan_steps(s, 1, h, d, cands)
     names = [plan_key(world, *c) for c in cands]
     out = {n: {"plain": [], "counted": [], "split": [], "calls": []} for n in names}
+    benches = {tuple(c): call_bench(c, d, torch.float32, torch.device("cpu")) for c in calls}
+    out["_calls"] = {c: [] for c in benches}
     for i in range(rounds):
         order = names[i % len(names):] + names[:i % len(names)]
         for n in order + order[::-1]:
@@ -120,7 +129,25 @@ def _measure(s: int, h: int, d: int, cands: list, rounds: int) -> dict:
                         out[n]["split"].append(split(phases.excl, cpu))
                         out[n]["calls"].append({m: (phases.excl.get(m, 0.0), phases.calls.get(m, 0))
                                                 for m in MESSAGES})
+        for c, fn in benches.items():
+            ((_, cpu),) = _timed(fn, 1, torch.device("cpu"), warm=False)
+            if i:
+                out["_calls"][c].append(cpu)
     return out
+
+
+def same_round_profile(prof, per_rank: list, d: int):
+    """``prof`` with its exact calls' seconds replaced by the same-round ones (_measure's "_calls": the
+    mean over ranks, the median over rounds, as the CPU clock's calibration takes them)."""
+    from dataclasses import replace
+
+    from megatron_patches.profile import call_key
+
+    def seconds(c) -> float:
+        rounds = zip(*(r["_calls"][c] for r in per_rank), strict=True)
+        return statistics.median(statistics.mean(ts) for ts in rounds)
+    calls = {call_key(*c, d): seconds(c) for c in per_rank[0]["_calls"]}
+    return replace(prof, calls={**prof.calls, **calls})
 
 
 def model_parts(world: int, sh, topo, u: int, c: int, order: str) -> dict[str, float]:
@@ -166,14 +193,16 @@ def main(argv=None) -> dict:
                           "--head-dim", str(d), "--max-rows-x-heads", str(int(world ** 0.5) * s * h)])
             calls = [list(c) for c in call_shapes(world, sh, [0] * world)]  # as benchmarks.cost_model's
             save(calibrate({**cfg, "ranks": world, "calls": calls}, world=w)["cpu"], a.profile)
-        per_rank = w.run(_measure, s, h, d, cands, a.rounds + 1, timeout=3600)
+        calls = [list(c) for c in call_shapes(world, sh, [0] * world)]
+        per_rank = w.run(_measure, s, h, d, cands, a.rounds + 1, calls, timeout=3600)
     topo = Topology.from_profile(load(a.profile), world)
+    same = Topology.from_profile(same_round_profile(topo.profile, per_rank, d), world)
     load1 = " ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"P = {world}, {s} rows per rank, {h} heads x {d}, fp32, causal; CPU ms per rank (mean over ranks, "
           f"median over {a.rounds} rounds); load {load0} -> {load1}, "
           f"{time.strftime('%H:%M UTC', time.gmtime())}")
     print(f"{'candidate':<16}{'step':>7}{'counted':>8}  kernels meas/model  messages meas/model"
-          f"  rest meas/model")
+          f"  rest meas/model  kernels at same-round calls")
     out = {}
     for cand in cands:
         key = f"{world} {cand[0]} {cand[1]} {cand[2]}"
@@ -184,10 +213,12 @@ def main(argv=None) -> dict:
         plain, counted = (statistics.median(statistics.mean(r[k][i] for r in rows) for i in runs)
                           for k in ("plain", "counted"))
         model = model_parts(world, sh, topo, *cand)
-        out[key] = {"plain": plain, "counted": counted, "measured": meas, "model": model}
+        now = model_parts(world, sh, same, *cand)["kernels"]
+        out[key] = {"plain": plain, "counted": counted, "measured": meas, "model": model,
+                    "kernels_same_round": now}
         parts = "".join(f"{1e3 * meas[k]:>12.1f} /{1e3 * model[k]:>6.1f}" for k in meas)
         label = f"U={cand[0]} C={cand[1]} {cand[2]}"
-        print(f"{label:<16}{1e3 * plain:>7.1f}{1e3 * counted:>8.1f}{parts}")
+        print(f"{label:<16}{1e3 * plain:>7.1f}{1e3 * counted:>8.1f}{parts}{1e3 * now:>16.1f}")
         out[key]["calls"] = {m: (statistics.median(statistics.mean(r["calls"][i][m][0] for r in rows)
                                                    for i in runs),
                                  statistics.mean(r["calls"][0][m][1] for r in rows)) for m in MESSAGES}

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.cost_phases import Phases, split
+from benchmarks.cost_phases import Phases, same_round_profile, split
 
 
 def _busy(seconds: float) -> None:
@@ -42,3 +42,18 @@ def test_phases_count_nested_calls_exclusively_and_restore_the_functions():
 def test_split_is_kernels_messages_and_the_rest():
     parts = split({"attend": 1.0, "attend_bwd": 0.5, "wait": 0.25, "all_gather": 0.125, "other": 9.0}, 2.0)
     assert parts == {"kernels": 1.5, "messages": pytest.approx(0.375), "rest": pytest.approx(0.125)}
+
+
+def test_same_round_profile_takes_the_ranks_mean_and_the_rounds_median_of_each_call():
+    """Each exact call's seconds become the median over rounds of the mean over ranks of its same-round
+    times (counted by hand); the profile's other calls and everything else stay."""
+    from dataclasses import replace
+
+    from megatron_patches.specs import spec_profile
+
+    prof = replace(spec_profile(4, 10.0, 10.0), calls={"fwd 512 256 8 64": 1.0, "bwd 256 512 8 64": 2.0})
+    call = ("fwd", 512, 256, 8)
+    ranks = [{"_calls": {call: [1.0, 5.0, 3.0]}}, {"_calls": {call: [3.0, 1.0, 1.0]}}]
+    got = same_round_profile(prof, ranks, 64)   # means per round 2, 3, 2: median 2
+    assert got.calls == {"fwd 512 256 8 64": 2.0, "bwd 256 512 8 64": 2.0}
+    assert replace(got, calls=prof.calls) == prof

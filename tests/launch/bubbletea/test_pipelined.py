@@ -192,7 +192,7 @@ def test_a_window_hands_on_its_rows_and_its_finished_requests_in_one_message():
     rows = pair.take(1, 1)
     assert [(m[0], [part[:3] for part in m[1]]) for m in rows] == [
         ("rows", [("a", 0, 8), ("a", 8, 16), ("b", 0, 5)])]
-    time.sleep(0.2)
+    time.sleep(0.05)
     assert pair.take(1) == []                                    # nothing else crossed
     pair.window(1, 1, rows)
     assert pair.done(1) == ["a", "b"]

@@ -176,3 +176,33 @@ def test_a_stage_admits_no_new_request_while_the_next_is_behind():
     pair.close()
     with pytest.raises(ValueError, match="ahead=0: a stage must be allowed one request or more"):
         pipeline_setup(0, 2, "127.0.0.1", key, ahead=0)
+
+
+def test_a_window_hands_on_its_rows_and_its_finished_requests_in_one_message():
+    """Per window, not per chunk: stage 0's window of two requests (three chunks) crosses as one rows
+    message, and stage 1's window that finishes both answers with one "finished" naming both; stage 1's
+    caches equal the whole model's."""
+    from tests.launch.bubbletea.stage_pair import StagePair
+
+    pair = StagePair(split(CFG, 2), 8, b"w" * 16)
+    prompts = {"a": _prompt(16, 1), "b": _prompt(5, 2)}
+    for rid, tokens in prompts.items():
+        pair.services[0].handle(("submit", rid, tokens, 0.0))
+    pair.window(0, 1)
+    rows = pair.take(1, 1)
+    assert [(m[0], [part[:3] for part in m[1]]) for m in rows] == [
+        ("rows", [("a", 0, 8), ("a", 8, 16), ("b", 0, 5)])]
+    time.sleep(0.05)
+    assert pair.take(1) == []                                    # nothing else crossed
+    pair.window(1, 1, rows)
+    assert pair.done(1) == ["a", "b"]
+    finished = pair.take(0, 1)
+    assert finished == [("finished", "a", "b")]
+    pair.window(0, 2, finished)
+    assert pair.services[0].ahead == set()
+    whole = CausalLM(CFG)
+    caches = {m[1]: m[2] for m in pair.outs[1] if m[0] == "done"}
+    for rid, tokens in prompts.items():
+        cache, _ = whole.prefill(tokens, 8)
+        assert torch.equal(caches[rid].k, cache.k[2:]) and torch.equal(caches[rid].v, cache.v[2:])
+    pair.close()

@@ -180,8 +180,9 @@ class Profile:
             if not table or any(not isinstance(g, int) or g < 2 for g in table):
                 raise ValueError(f"profile collectives.{kind} group sizes {list(table)} "
                                  f"must be integers >= 2")
-        if _number(self.overlap, "overlap", 0.0) > 1:
-            raise ValueError(f"profile overlap={self.overlap} must be in [0, 1]")
+        ov = self.overlap   # below 0 only in the CPU clock: contention (calibrate.py)
+        if isinstance(ov, bool) or not isinstance(ov, (int, float)) or not math.isfinite(ov) or ov > 1:
+            raise ValueError(f"profile overlap={ov!r} must be a finite number <= 1")
         _number(self.gemm_tflops, "gemm_tflops", 0.0, strict=True)
         if (self.inter is None) != (self.node_gbytes is None):
             raise ValueError("profile inter and node_gbytes go together: both null (one node) or both given")

@@ -94,7 +94,9 @@ class Topology:
 
     def step_s(self, compute: float, hop: float) -> float:
         """One ring step: the hop in flight while the block is computed; ``overlap`` (measured, or 1 from
-        the specs: a separate stream) is the share of the shorter hidden behind the longer."""
+        the specs: a separate stream) is the share of the shorter hidden behind the longer. A CPU-clock
+        profile's may be below 0 (calibrate.py): the hop run beside the block costs that share of the
+        shorter more than the two apart."""
         return max(compute, hop) + (1 - self.profile.overlap) * min(compute, hop)
 
     def call_s(self, rows: int, keys: int, diag: bool, heads: int, d: int, backward: bool) -> float:

@@ -5,7 +5,8 @@ two sources and nothing else:
   --calibrate PROFILE.json``, calibrate.py): point-to-point α/β inside a node (and across nodes where the
   job has several), all-gather / reduce-scatter / all-to-all α and efficiency per group size, the attention
   kernel's throughput per block size (forward, backward, full and causal blocks), the overlap of a hop
-  with a block's compute, and a GEMM's throughput;
+  with a block's compute (at most 1; below 0 in a CPU-clock profile: the extra CPU the hop costs beside
+  the block), and a GEMM's throughput;
 - ``spec``: public specifications (specs.py: line rates, peak FLOP/s, the FlashAttention-2 paper's
   reported efficiency range), with every derivation written where it is made.
 
@@ -180,8 +181,9 @@ class Profile:
             if not table or any(not isinstance(g, int) or g < 2 for g in table):
                 raise ValueError(f"profile collectives.{kind} group sizes {list(table)} "
                                  f"must be integers >= 2")
-        if _number(self.overlap, "overlap", 0.0) > 1:
-            raise ValueError(f"profile overlap={self.overlap} must be in [0, 1]")
+        ov = self.overlap   # below 0 only in the CPU clock: contention (calibrate.py)
+        if isinstance(ov, bool) or not isinstance(ov, (int, float)) or not math.isfinite(ov) or ov > 1:
+            raise ValueError(f"profile overlap={ov!r} must be a finite number <= 1")
         _number(self.gemm_tflops, "gemm_tflops", 0.0, strict=True)
         if (self.inter is None) != (self.node_gbytes is None):
             raise ValueError("profile inter and node_gbytes go together: both null (one node) or both given")

@@ -89,6 +89,25 @@ def _synthetic(cfg, ranks=2):
     return [one] * ranks
 
 
+def test_a_hop_that_costs_cpu_beside_a_block_is_priced_so_in_the_cpu_clock_only():
+    """The overlap microbenchmark's block 4 ms, hop 2 ms, both 7 ms: the hop beside the block costs 1 ms
+    more than apart. The CPU clock keeps (4 + 2 − 7) / 2 = −1/2, and one ring step of that block and hop
+    is then priced as measured, 7 ms (the wall clock keeps its floor of 0: 6 ms). A profile holding the
+    negative value saves and loads."""
+    from megatron_patches.placement import Topology
+    from megatron_patches.profile import from_json
+
+    cfg = config(["--out", "x", "--reps", "3", "--rows", "64", "256", "--sizes-log2", "12", "16",
+                  "--heads", "8", "2"])
+    ranks = [{**r, "overlap": {"block": [(4e-3, 4e-3)] * 3, "hop": [(2e-3, 2e-3)] * 3,
+                               "both": [(7e-3, 7e-3)] * 3}} for r in _synthetic(cfg)]
+    cpu, wall = (profile_from(ranks, cfg, "synthetic", clock=c) for c in ("cpu", "wall"))
+    assert cpu.overlap == pytest.approx(-0.5) and wall.overlap == 0.0
+    assert Topology.from_profile(cpu, 2).step_s(4e-3, 2e-3) == pytest.approx(7e-3)
+    assert Topology.from_profile(wall, 2).step_s(4e-3, 2e-3) == pytest.approx(6e-3)
+    assert from_json(cpu.to_json()).overlap == pytest.approx(-0.5)
+
+
 def test_host_work_is_the_tiny_runs_less_the_models_price():
     """profile_from's host table: each plan's tiny time (host.py) minus choice.plan_s of that tiny problem
     under the profile without host work; at least 0."""

@@ -184,6 +184,10 @@ class Profile:
         ov = self.overlap   # below 0 only in the CPU clock: contention (calibrate.py)
         if isinstance(ov, bool) or not isinstance(ov, (int, float)) or not math.isfinite(ov) or ov > 1:
             raise ValueError(f"profile overlap={ov!r} must be a finite number <= 1")
+        if ov < 0 and self.provenance.get("clock") != "cpu":
+            raise ValueError(f"profile overlap={ov} is below 0, which only a CPU-clock profile may be "
+                             f"(provenance clock={self.provenance.get('clock')!r}): in the wall clock a hop "
+                             f"beside a block hides at least nothing")
         _number(self.gemm_tflops, "gemm_tflops", 0.0, strict=True)
         if (self.inter is None) != (self.node_gbytes is None):
             raise ValueError("profile inter and node_gbytes go together: both null (one node) or both given")

@@ -122,6 +122,7 @@ def _raw():
     (lambda r: r.update(source="guessed"), "source='guessed' is not one of"),
     (lambda r: r.update(overlap=1.5), "overlap=1.5 must be a finite number <= 1"),
     (lambda r: r.update(overlap="0.5"), "overlap='0.5' must be a finite number <= 1"),
+    (lambda r: r.update(overlap=-0.2), "overlap=-0.2 is below 0, which only a CPU-clock profile may be"),
     (lambda r: r.update(gemm_tflops=0), "gemm_tflops=0 must be a finite number > 0"),
     (lambda r: r.update(ranks_per_node=0), "ranks_per_node=0 must be an integer >= 1"),
     (lambda r: r["intra"].update(gbytes=-1), "gbytes=-1 must be a finite number > 0"),

@@ -126,10 +126,12 @@ class Rows:
 # The default back-pressure bound, from measurement (README, "back-pressure"): what a stage has in flight
 # downstream is its request rate times the feedback latency (Little's law: start of a request here ->
 # its "finished" from the next stage, seen at this stage's next plan). In benchmarks.bubbletea --pipelined
-# (prompts of 256 in chunks of 32, ~0.11 s iterations) the latency was 0.26-0.33 s (ahead x prompt /
-# tokens/s with the bound binding, ahead 2-8) and the first stage's unbounded rate 27-34 (GPT-2) and
-# 46-52 (CausalLM) requests/s: 7-11 and 12-17 in flight. 16 left the last stage's tokens/s at the
-# unbounded run's with its queue at or under 16 (unbounded: 38-45 and growing); 2 cut it to a sixth.
+# (prompts of 256 in chunks of 32, ~0.11 s iterations) the latency was 0.25-0.32 s, about 2.5
+# iterations, also with the rows and "finished" sent once per window (ahead x prompt / tokens/s with the
+# bound binding, ahead 4-12) and the first stage's unbounded rate 36 (GPT-2) and 58 (CausalLM)
+# requests/s: 9-12 and 15-19 in flight. 24 gained nothing over 16 beyond the repeats' spread and queued
+# more (stage 1 up to 20-24, TTFT up); 16 kept the queue at or under 16 (unbounded: 26-65 and growing);
+# 4 cut the tokens/s to about a quarter.
 AHEAD = 16
 
 

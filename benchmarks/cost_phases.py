@@ -184,6 +184,7 @@ def main(argv=None) -> dict:
     s, h, d, world = a.seq_per_rank, a.heads, a.head_dim, a.world
     sh = Shard(s, 1, h, h, d, 4, 4)
     cands = candidates(world, sh, [0] * world)
+    calls = [list(c) for c in call_shapes(world, sh, [0] * world)]  # as benchmarks.cost_model's
     load0 = " ".join(f"{x:.1f}" for x in os.getloadavg())
     with World(world, timeout=3600, start_timeout=900) as w:
         if a.calibrate:
@@ -191,9 +192,7 @@ def main(argv=None) -> dict:
             cfg = config(["--out", a.profile, "--clock", "cpu", "--reps", "5", "--rows", "128", "256", "512",
                           "1024", "2048", "4096", "--sizes-log2", "12", "22", "--heads", *map(str, heads),
                           "--head-dim", str(d), "--max-rows-x-heads", str(int(world ** 0.5) * s * h)])
-            calls = [list(c) for c in call_shapes(world, sh, [0] * world)]  # as benchmarks.cost_model's
             save(calibrate({**cfg, "ranks": world, "calls": calls}, world=w)["cpu"], a.profile)
-        calls = [list(c) for c in call_shapes(world, sh, [0] * world)]
         per_rank = w.run(_measure, s, h, d, cands, a.rounds + 1, calls, timeout=3600)
     topo = Topology.from_profile(load(a.profile), world)
     same = Topology.from_profile(same_round_profile(topo.profile, per_rank, d), world)

@@ -21,11 +21,12 @@ instruction order, blocking gloo send/recv that rendezvous: launch/plan/deepspee
   printed per cell). No pipeline step time enters it. The second pass's ping-pongs run with the ranks
   outside the pair computing their stage without pause (launch.net.pingpong.Beside) and are predicted
   beside them (``beside``): the CPU contention of a replica computing next to a transfer at full duty,
-  an upper bound (measured: 1.5-3x pessimistic for one-connection cells, README), so not the prediction.
+  an upper bound (measured: 1.5-3x pessimistic for one-connection cells, benchmarks/RESULTS.md), so not
+  the prediction.
   The constants measured before the cells by separate processes (benchmarks.wan.link_constants,
   what ``python -m benchmarks.wan --pingpong 64,2048 --normal-priority`` measures on a user's link)
   are predicted beside them too (``--no-earlier-fit`` skips that): on this shared machine they
-  drifted with the load (2.7 MB/s for one connection at 40 ms where the cells got 4.1, README);
+  drifted with the load (2.7 MB/s for one connection at 40 ms where the cells got 4.1, benchmarks/RESULTS.md);
 - the cell's compute: each stage's median ForwardPass (+ LoadMicroBatch) and BackwardPass, and its
   ReduceGrads + OptimizerStep less the time in the step's all-reduces over the two stages, as the
   ranks timed them (inputs, like a profile: nothing is fitted);

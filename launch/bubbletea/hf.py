@@ -35,7 +35,7 @@ is not a prefix of keys and values, so a KVCache cannot hold it.
 caches of T tokens. A Hugging Face chunk attends only to what is filled (its cost grows with its end,
 not with T), so the fit is exact for a request's last chunk and an upper bound for the earlier ones:
 the packer leaves them room to spare, never too little. (Timed into empty caches, ``e`` came out 0 and
-late chunks ran over their predictions: see the README.)
+late chunks ran over their predictions: see benchmarks/RESULTS.md.)
 """
 
 from __future__ import annotations

@@ -231,7 +231,8 @@ class Service:
         rows' message landed at a random time in the next stage's compute (the stages' windows are the
         other's compute): each woke that stage's SCHED_IDLE link and service threads there, about 45 times
         an iteration in benchmarks.bubbletea --pipelined, and ForwardPass + BackwardPass grew 1-2 ms an
-        iteration with chunks that computed nothing (--sleeping-chunks) as with chunks that did (README).
+        iteration with chunks that computed nothing (--sleeping-chunks) as with chunks that did
+        (benchmarks/RESULTS.md).
         The next stage packs its queue once per iteration (its plan), so rows that come at the end of
         the window rather than chunk by chunk are run no later in most windows."""
         if self.rows_out:

@@ -5,14 +5,15 @@ every (U, C, order) candidate ``auto`` chooses among and compare the model's ran
 
 Per world of P gloo ranks (one thread each, as benchmarks.attention runs them): first the calibration
 (megatron_patches.calibrate's microbenchmarks on the same P ranks: ring exchange, the three collectives
-per group size, the kernel per block size, overlap, and the host work of each plan's code path on 16
-rows per rank (host.py); nothing of the attention runs below goes into it), then the candidates' causal
-attention forward + backward (wallfacer_attention with ulysses_size U, team size C and the slot order;
-MHA, fp32, N = P x --seq-per-rank tokens) in --reps + 1 rounds (the first dropped), each round running
-the candidates in a rotated order and then in its reverse (a linear load drift adds the same to each),
-then the model's seconds for each (choice.plan_s with the measured profile, one node). Both clocks: wall
-(median over rounds of the slowest rank) and CPU (median of the mean over ranks of each rank's process
-CPU time), each against the profile calibrated in that clock.
+per group size, the kernel per block size, the overlap at ring attention's own step
+(calibrate.ring_step), and the host work of each plan's code path on 16 rows per rank (host.py); nothing
+of the attention runs below goes into it), then the candidates' causal attention forward + backward
+(wallfacer_attention with ulysses_size U, team size C and the slot order; MHA, fp32, N = P x
+--seq-per-rank tokens) in --reps + 1 rounds (the first dropped), each round running the candidates in a
+rotated order and then in its reverse (a linear load drift adds the same to each), then the model's
+seconds for each (choice.plan_s with the measured profile, one node). Both clocks: wall (median over
+rounds of the slowest rank) and CPU (median of the mean over ranks of each rank's process CPU time), each
+against the profile calibrated in that clock.
 
 Printed per world and clock: candidate, measured ms and its spread (interquartile range over rounds, %
 of the median), predicted ms and the host share of it, predicted/measured, measured and predicted rank;
@@ -163,7 +164,7 @@ def kernels_scaled(prof, factor: float):
 
 def world_table(world: int, args, calib_cfg: dict) -> dict:
     from commweave.world import World
-    from megatron_patches.calibrate import calibrate
+    from megatron_patches.calibrate import calibrate, ring_step
     from megatron_patches.choice import call_shapes, candidates, plan_s
     from megatron_patches.placement import Topology
     from megatron_patches.volume import Shard
@@ -175,7 +176,9 @@ def world_table(world: int, args, calib_cfg: dict) -> dict:
     load0 = " ".join(f"{x:.1f}" for x in os.getloadavg())
     t0 = time.time()
     with World(world, timeout=3600, start_timeout=900) as w:
-        profiles = calibrate({**calib_cfg, "ranks": world, "calls": calls}, world=w)
+        step_calls, hop_bytes = ring_step(world, s, h, d, "float32")  # the overlap at ring attention's step
+        profiles = calibrate({**calib_cfg, "ranks": world, "calls": calls, "overlap_calls": step_calls,
+                              "overlap_bytes": hop_bytes}, world=w)
         t1 = time.time()
         per_rank = w.run(_measure, s, b, h, d, cands, args.reps + 1, calls, timeout=3600)
     load1 = " ".join(f"{x:.1f}" for x in os.getloadavg())

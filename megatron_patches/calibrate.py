@@ -24,10 +24,14 @@ time too. Each figure is the median over ``--reps`` repetitions of the slowest r
 - ``calls`` (--calls-for S H): every block call the plans of the world make for that problem
   (choice.call_shapes: the rectangles and diagonal blocks at each plan's heads per call), each timed
   exactly as the curves' blocks, interleaved with them; the profile holds their seconds (Profile.calls).
-- ``overlap``: one block forward (n = --overlap-rows) and one ring hop (--overlap-bytes) alone, and the
-  hop posted before the block and waited after it, the three interleaved (_timed_rounds, --overlap-reps
-  repetitions: the three differ by less than the load drifts in a minute, so timed one after another the
-  difference was drift): (t_block + t_hop − t_both) / min(t_block, t_hop), at most 1. In the wall clock
+- ``overlap``: one ring step's block forward and its hop alone, and the hop posted before the block and
+  waited after it, the three interleaved (_timed_rounds, --overlap-reps repetitions: the three differ by
+  less than the load drifts in a minute, so timed one after another the difference was drift). With
+  --calls-for the step is ring attention's own for that problem (ring_step: the K/V hop of 2·s·b·h·d·elt
+  bytes beside the block call most of its ranks make in a step), since the price applies to those calls;
+  else a square block of --overlap-rows and --overlap-bytes. The value is the median over repetitions
+  of t_block + t_hop − t_both (paired: the same repetition, the same load; a ratio of separate medians
+  swung by the blocks' own noise, ±0.2 at 1 MiB) over min(t_block, t_hop), at most 1. In the wall clock
   also at least 0; in the CPU clock it may be below 0: CPU seconds do not hide behind each other, and a
   hop whose copies run on gloo's threads while the block runs costs more CPU than alone (contention for
   the cores and memory), which the step then pays per ring step (placement.Topology.step_s).
@@ -212,7 +216,15 @@ def measure(cfg: dict) -> dict:
             for n in cfg["sizes"]:
                 fn = _collective(kind, mine, n * g, device)
                 out["coll"][kind, g, n * g] = _timed(fn, reps, device, cfg["inner"])
-    block = _attention(cfg["overlap_rows"], max(cfg["heads"]), cfg["head_dim"], dtype, device, False, False)
+    if cfg.get("overlap_calls"):  # ring attention's own step (ring_step)
+        benches = [call_bench(c, cfg["head_dim"], dtype, device) for c in cfg["overlap_calls"]]
+
+        def block():
+            for fn in benches:
+                fn()
+    else:
+        block = _attention(cfg["overlap_rows"], max(cfg["heads"]), cfg["head_dim"], dtype, device, False,
+                           False)
     hop = _ring(cfg["overlap_bytes"], device)
 
     def both():
@@ -237,11 +249,14 @@ def profile_from(per_rank: list, cfg: dict, description: str, clock: str = "wall
     each rank's process CPU time: the work, which other users of a shared machine change less)."""
     r0 = per_rank[0]
 
-    def _slowest(ranks: list, get) -> float:
-        series = [get(r) for r in ranks]
+    def _series(ranks: list, get) -> list[float]:
+        """Per repetition: the slowest rank's wall seconds, or the ranks' mean CPU seconds."""
         if clock == "wall":
-            return statistics.median(max(t[0] for t in ts) for ts in zip(*series, strict=True))
-        return statistics.median(statistics.mean(t[1] for t in ts) for ts in zip(*series, strict=True))
+            return [max(t[0] for t in ts) for ts in zip(*(get(r) for r in ranks), strict=True)]
+        return [statistics.mean(t[1] for t in ts) for ts in zip(*(get(r) for r in ranks), strict=True)]
+
+    def _slowest(ranks: list, get) -> float:
+        return statistics.median(_series(ranks, get))
     curves = {}
     for name in CURVES:
         per_flop = BWD_FLOPS if name.startswith("bwd") else FWD_FLOPS
@@ -281,9 +296,13 @@ def profile_from(per_rank: list, cfg: dict, description: str, clock: str = "wall
             eff = min(intra.beta / max(fit.model.beta, 1e-15), 4.0)
             colls.setdefault(kind, {})[g] = Collective(fit.model.alpha, eff)
             points[f"{kind} {g}"] = {str(n): t for n, t in zip(ns, ts, strict=True)}
-    ov = {k: _slowest(per_rank, lambda r, k=k: r["overlap"][k]) for k in ("block", "hop", "both")}
-    overlap = (ov["block"] + ov["hop"] - ov["both"]) / min(ov["block"], ov["hop"])
-    provenance.update(ring_r2=round(ring.r2, 4), overlap_s={k: round(v, 6) for k, v in ov.items()},
+    ser = {k: _series(per_rank, lambda r, k=k: r["overlap"][k]) for k in ("block", "hop", "both")}
+    ov = {k: statistics.median(v) for k, v in ser.items()}
+    hidden = statistics.median(b + h - x for b, h, x in zip(*(ser[k] for k in ("block", "hop", "both")),
+                                                            strict=True))
+    overlap = hidden / min(ov["block"], ov["hop"])
+    provenance.update(ring_r2=round(ring.r2, 4), overlap_s={**{k: round(v, 6) for k, v in ov.items()},
+                                                           "hidden": round(hidden, 6)},
                       message_s=points)
     overlap = min(overlap, 1.0) if clock == "cpu" else min(max(overlap, 0.0), 1.0)  # see the docstring
     prof = Profile("measured", description, len(per_rank), intra, colls, curves, overlap,
@@ -347,10 +366,12 @@ def config(argv=None) -> dict:
     p.add_argument("--calls-for", type=int, nargs=2, default=None, metavar=("S", "H"),
                    help="also measure exactly every block call the plans of --ranks ranks make for S rows "
                         "per rank of H heads (batch 1, MHA, --head-dim; choice.call_shapes)")
-    p.add_argument("--overlap-rows", type=int, default=512)
-    p.add_argument("--overlap-bytes", type=int, default=1 << 20)
-    p.add_argument("--overlap-reps", type=int, default=30,
-                   help="repetitions of the overlap microbenchmark (block + hop + both: ~20 ms each on CPU)")
+    p.add_argument("--overlap-rows", type=int, default=512,
+                   help="the overlap's square block, without --calls-for (with it: ring attention's step)")
+    p.add_argument("--overlap-bytes", type=int, default=None,
+                   help="the overlap's hop (default: ring attention's K/V hop with --calls-for, else 1 MiB)")
+    p.add_argument("--overlap-reps", type=int, default=90,
+                   help="repetitions of the overlap microbenchmark (block + hop + both: ~15 ms each on CPU)")
     p.add_argument("--host-rows", type=int, default=host.HOST_ROWS, choices=(0, host.HOST_ROWS),
                    help="rows per rank of the host-work runs (host.py); 0: host work not measured")
     p.add_argument("--intra-GBps", type=float, default=450.0, help="--ranks 1 only: the link, from specs")
@@ -359,7 +380,7 @@ def config(argv=None) -> dict:
     for flag, value, low in (("--ranks", a.ranks, 1), ("--reps", a.reps, 1), ("--inner", a.inner, 1),
                              ("--heads", min(a.heads), 1), ("--head-dim", a.head_dim, 1),
                              ("--hidden", a.hidden, 1), ("--overlap-rows", a.overlap_rows, 1),
-                             ("--overlap-bytes", a.overlap_bytes, 4096),
+                             ("--overlap-bytes", 4096 if a.overlap_bytes is None else a.overlap_bytes, 4096),
                              ("--overlap-reps", a.overlap_reps, 1)):
         if value < low:
             p.error(f"{flag} {value} must be >= {low}")
@@ -372,14 +393,31 @@ def config(argv=None) -> dict:
         p.error(f"--calls-for {a.calls_for[0]} {a.calls_for[1]} must be two integers >= 1")
     if not (a.intra_GBps > 0 and a.intra_latency_us >= 0):
         p.error(f"--intra-GBps {a.intra_GBps} must be > 0 and --intra-latency-us {a.intra_latency_us} >= 0")
+    step = ([], 1 << 20) if a.calls_for is None or a.ranks == 1 else \
+        ring_step(a.ranks, *a.calls_for, a.head_dim, a.dtype)
     return {"out": a.out, "clock": a.clock, "ranks": a.ranks, "device": a.device, "dtype": a.dtype,
             "reps": a.reps, "inner": a.inner, "rows": sorted(a.rows),
             "sizes": [1 << i for i in range(lo, hi + 1)],
             "heads": sorted(set(a.heads)), "head_dim": a.head_dim, "hidden": a.hidden,
             "overlap_rows": a.overlap_rows, "max_rows_x_heads": a.max_rows_x_heads,
-            "overlap_bytes": a.overlap_bytes, "overlap_reps": a.overlap_reps, "host_rows": a.host_rows,
+            "overlap_bytes": step[1] if a.overlap_bytes is None else a.overlap_bytes,
+            "overlap_calls": step[0], "overlap_reps": a.overlap_reps, "host_rows": a.host_rows,
             "intra_gbytes": a.intra_GBps, "intra_us": a.intra_latency_us,
             "calls": [] if a.calls_for is None else plan_calls(a.ranks, *a.calls_for, a.head_dim, a.dtype)}
+
+
+def ring_step(ranks: int, s: int, h: int, d: int, dtype: str) -> tuple[list[list], int]:
+    """Ring attention's step for s rows per rank of h heads of d on ``ranks`` ranks (C = 1, zigzag, causal,
+    batch 1): the block calls most of its ranks make in its second step (placement.step_shapes; from then
+    on every step is rectangles of that work) and the bytes of its forward K/V hop, 2·s·h·d·elt (the K/V
+    stack each rank sends per step, volume.py)."""
+    from megatron_patches.layout import Layout
+    from megatron_patches.placement import step_shapes, team_major
+
+    shapes = step_shapes(Layout(ranks, 1, team_major(ranks, 1), "zigzag"), s, True)
+    calls, _ = max(shapes[min(1, len(shapes) - 1)], key=lambda kind: kind[1])
+    return ([["fwd_causal" if diag else "fwd", rows, keys, h] for rows, keys, diag in calls],
+            2 * s * h * d * getattr(torch, dtype).itemsize)
 
 
 def plan_calls(ranks: int, s: int, h: int, d: int, dtype: str) -> list[list]:

@@ -108,6 +108,39 @@ def test_a_hop_that_costs_cpu_beside_a_block_is_priced_so_in_the_cpu_clock_only(
     assert from_json(cpu.to_json()).overlap == pytest.approx(-0.5)
 
 
+def test_the_overlap_pairs_each_repetitions_three_times():
+    """A load swing that slows one repetition's block and its block + hop alike cancels in that repetition's
+    block + hop − both: block 4 / 8 / 6 ms, hop 2, both 6.5 / 10.5 / 7.5 hide −0.5, −0.5, +0.5 ms, median
+    −0.5 ms, overlap −0.5 / 2 = −1/4; the ratio of separate medians (6 + 2 − 7.5 = +0.5) said +1/4."""
+    cfg = config(["--out", "x", "--reps", "3", "--rows", "64", "256", "--sizes-log2", "12", "16",
+                  "--heads", "8", "2"])
+
+    def t(*ms):
+        return [(x * 1e-3, x * 1e-3) for x in ms]
+    ranks = [{**r, "overlap": {"block": t(4, 8, 6), "hop": t(2, 2, 2), "both": t(6.5, 10.5, 7.5)}}
+             for r in _synthetic(cfg)]
+    cpu = profile_from(ranks, cfg, "synthetic", clock="cpu")
+    assert cpu.overlap == pytest.approx(-0.25)
+    assert cpu.provenance["overlap_s"]["hidden"] == pytest.approx(-0.5e-3)
+
+
+def test_the_overlap_is_measured_at_ring_attentions_own_step():
+    """With --calls-for S H the overlap's block is the call most of ring attention's ranks make in a step
+    and its hop the K/V stack, 2·S·H·d·elt: P = 4, 512 rows of 8 x 64 fp32 (zigzag, causal): from the
+    second step on, three ranks compute a 512 x 256 rectangle (their query chunk pair against the sender's
+    early key chunk) and the hop is 2 MiB. An explicit --overlap-bytes wins; without --calls-for the
+    square block and 1 MiB."""
+    from megatron_patches.calibrate import ring_step
+
+    assert ring_step(4, 512, 8, 64, "float32") == ([["fwd", 512, 256, 8]], 2 << 20)
+    base = ["--out", "x", "--ranks", "4"]
+    cfg = config([*base, "--calls-for", "512", "8"])
+    assert (cfg["overlap_calls"], cfg["overlap_bytes"]) == ([["fwd", 512, 256, 8]], 2 << 20)
+    assert config([*base, "--calls-for", "512", "8", "--overlap-bytes", "8192"])["overlap_bytes"] == 8192
+    plain = config(base)
+    assert (plain["overlap_calls"], plain["overlap_bytes"], plain["overlap_rows"]) == ([], 1 << 20, 512)
+
+
 def test_host_work_is_the_tiny_runs_less_the_models_price():
     """profile_from's host table: each plan's tiny time (host.py) minus choice.plan_s of that tiny problem
     under the profile without host work; at least 0."""

@@ -23,6 +23,9 @@ from collections import OrderedDict
 
 from commweave.world import World
 
+# imported once by the fork server every rank forks from (commweave.world.World's preload): a world of 8
+# ranks would otherwise import megatron-core 8 times on 2 cores; a world that sets DS_ACCELERATOR is spawned
+PRELOAD = ("torch", "torch.distributed", "deepspeed", "megatron.core")
 MAX_LIVE_RANKS = int(os.environ.get("COMMWEAVE_TEST_MAX_LIVE_RANKS", "12"))
 CALL_TIMEOUT = float(os.environ.get("COMMWEAVE_TEST_TIMEOUT", "240"))
 
@@ -35,7 +38,8 @@ class WorldPool:
         key = (world_size, tuple(sorted(env.items())))
         world = self._worlds.pop(key, None)
         if world is None:
-            world = World(world_size, env=env, timeout=CALL_TIMEOUT)
+            world = World(world_size, env=env, timeout=CALL_TIMEOUT,
+                          preload=() if "DS_ACCELERATOR" in env else PRELOAD)
         self._worlds[key] = world
         while sum(w.world_size for w in self._worlds.values()) > max(MAX_LIVE_RANKS, world_size):
             _, old = self._worlds.popitem(last=False)

@@ -83,3 +83,5 @@ def test_world_size_and_timeouts_validated():
             World(2, start_timeout=bad)
     with pytest.raises(ValueError, match=r"World.run\(timeout\)=0.0001: "):
         World(1).run(print, timeout=1e-4)
+    with pytest.raises(ValueError, match=r"World\(env\): DS_ACCELERATOR='cuda' with preload=\['torch'\]"):
+        World(2, env={"DS_ACCELERATOR": "cuda"}, preload=("torch",))

@@ -281,8 +281,10 @@ def forward(in_fd: int, out_fd: int, delay: float, queue_bytes: int, stats_path:
 
     signal.signal(signal.SIGTERM, on_term)
 
-    def save():
-        Path(stats_path).write_text(json.dumps({"moved": moved, "dropped": dropped, "fired": faults.fired}))
+    def save():  # atomically: drops() and fired() may read it at any time (a bare write shows them "")
+        tmp = Path(stats_path).with_suffix(".tmp")
+        tmp.write_text(json.dumps({"moved": moved, "dropped": dropped, "fired": faults.fired}))
+        os.replace(tmp, stats_path)
 
     last_save = time.monotonic()
     while not stop:

@@ -164,23 +164,21 @@ def kernels_scaled(prof, factor: float):
 
 def world_table(world: int, args, calib_cfg: dict) -> dict:
     from commweave.world import World
-    from megatron_patches.calibrate import calibrate, ring_step
-    from megatron_patches.choice import call_shapes, candidates, plan_s
+    from megatron_patches.calibrate import calibrate, problem
+    from megatron_patches.choice import candidates, plan_s
     from megatron_patches.placement import Topology
     from megatron_patches.volume import Shard
 
     s, b, h, d = args.seq_per_rank, args.batch, args.heads, args.head_dim
     sh, nodes = Shard(s, b, h, h, d, 4, 4), [0] * world
     cands = candidates(world, sh, nodes)
-    calls = [list(c) for c in call_shapes(world, sh, nodes)]
+    prob = problem(world, s, h, d, "float32", b)  # every plan's exact calls; the overlap at ring's step
     load0 = " ".join(f"{x:.1f}" for x in os.getloadavg())
     t0 = time.time()
     with World(world, timeout=3600, start_timeout=900) as w:
-        step_calls, hop_bytes = ring_step(world, s, h, d, "float32")  # the overlap at ring attention's step
-        profiles = calibrate({**calib_cfg, "ranks": world, "calls": calls, "overlap_calls": step_calls,
-                              "overlap_bytes": hop_bytes}, world=w)
+        profiles = calibrate({**calib_cfg, "ranks": world, **prob}, world=w)
         t1 = time.time()
-        per_rank = w.run(_measure, s, b, h, d, cands, args.reps + 1, calls, timeout=3600)
+        per_rank = w.run(_measure, s, b, h, d, cands, args.reps + 1, prob["calls"], timeout=3600)
     load1 = " ".join(f"{x:.1f}" for x in os.getloadavg())
     out = {"load": [load0, load1], "calibration_s": t1 - t0, "candidates_s": time.time() - t1,
            "profiles": {k: p.to_json() for k, p in profiles.items()}}

@@ -175,8 +175,8 @@ def main(argv=None) -> dict:
     p.add_argument("--calibrate", action="store_true")
     a = p.parse_args(argv)
     from commweave.world import World
-    from megatron_patches.calibrate import calibrate, config
-    from megatron_patches.choice import call_shapes, candidates
+    from megatron_patches.calibrate import calibrate, config, plan_calls
+    from megatron_patches.choice import candidates
     from megatron_patches.placement import Topology
     from megatron_patches.profile import load, save
     from megatron_patches.volume import Shard
@@ -184,7 +184,7 @@ def main(argv=None) -> dict:
     s, h, d, world = a.seq_per_rank, a.heads, a.head_dim, a.world
     sh = Shard(s, 1, h, h, d, 4, 4)
     cands = candidates(world, sh, [0] * world)
-    calls = [list(c) for c in call_shapes(world, sh, [0] * world)]  # as benchmarks.cost_model's
+    calls = plan_calls(world, s, h, d, "float32")  # as benchmarks.cost_model's
     load0 = " ".join(f"{x:.1f}" for x in os.getloadavg())
     with World(world, timeout=3600, start_timeout=900) as w:
         if a.calibrate:

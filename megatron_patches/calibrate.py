@@ -393,17 +393,24 @@ def config(argv=None) -> dict:
         p.error(f"--calls-for {a.calls_for[0]} {a.calls_for[1]} must be two integers >= 1")
     if not (a.intra_GBps > 0 and a.intra_latency_us >= 0):
         p.error(f"--intra-GBps {a.intra_GBps} must be > 0 and --intra-latency-us {a.intra_latency_us} >= 0")
-    step = ([], 1 << 20) if a.calls_for is None or a.ranks == 1 else \
-        ring_step(a.ranks, *a.calls_for, a.head_dim, a.dtype)
+    prob = {"calls": [], "overlap_calls": [], "overlap_bytes": 1 << 20} if a.calls_for is None else \
+        problem(a.ranks, *a.calls_for, a.head_dim, a.dtype)
     return {"out": a.out, "clock": a.clock, "ranks": a.ranks, "device": a.device, "dtype": a.dtype,
             "reps": a.reps, "inner": a.inner, "rows": sorted(a.rows),
             "sizes": [1 << i for i in range(lo, hi + 1)],
             "heads": sorted(set(a.heads)), "head_dim": a.head_dim, "hidden": a.hidden,
             "overlap_rows": a.overlap_rows, "max_rows_x_heads": a.max_rows_x_heads,
-            "overlap_bytes": step[1] if a.overlap_bytes is None else a.overlap_bytes,
-            "overlap_calls": step[0], "overlap_reps": a.overlap_reps, "host_rows": a.host_rows,
+            **prob, "overlap_reps": a.overlap_reps, "host_rows": a.host_rows,
             "intra_gbytes": a.intra_GBps, "intra_us": a.intra_latency_us,
-            "calls": [] if a.calls_for is None else plan_calls(a.ranks, *a.calls_for, a.head_dim, a.dtype)}
+            **({} if a.overlap_bytes is None else {"overlap_bytes": a.overlap_bytes})}
+
+
+def problem(ranks: int, s: int, h: int, d: int, dtype: str, b: int = 1) -> dict:
+    """The calibration's fields for one problem (s rows per rank of b x h heads of d on ``ranks`` ranks):
+    every plan's exact block calls, and the overlap at ring attention's own step (one rank: none, the
+    square block and 1 MiB)."""
+    step = ([], 1 << 20) if ranks == 1 else ring_step(ranks, s, h, d, dtype)
+    return {"calls": plan_calls(ranks, s, h, d, dtype, b), "overlap_calls": step[0], "overlap_bytes": step[1]}
 
 
 def ring_step(ranks: int, s: int, h: int, d: int, dtype: str) -> tuple[list[list], int]:
@@ -420,12 +427,12 @@ def ring_step(ranks: int, s: int, h: int, d: int, dtype: str) -> tuple[list[list
             2 * s * h * d * getattr(torch, dtype).itemsize)
 
 
-def plan_calls(ranks: int, s: int, h: int, d: int, dtype: str) -> list[list]:
-    """choice.call_shapes of every plan of ``ranks`` ranks on one node, s rows per rank, h heads of d."""
+def plan_calls(ranks: int, s: int, h: int, d: int, dtype: str, b: int = 1) -> list[list]:
+    """choice.call_shapes of every plan of ``ranks`` ranks on one node, s rows per rank, b x h heads of d."""
     from megatron_patches.choice import call_shapes
     from megatron_patches.volume import Shard
 
-    return [list(c) for c in call_shapes(ranks, Shard(s, 1, h, h, d, getattr(torch, dtype).itemsize, 4),
+    return [list(c) for c in call_shapes(ranks, Shard(s, b, h, h, d, getattr(torch, dtype).itemsize, 4),
                                          [0] * ranks)]
 
 

@@ -175,7 +175,7 @@ def main(argv=None) -> dict:
     p.add_argument("--calibrate", action="store_true")
     a = p.parse_args(argv)
     from commweave.world import World
-    from megatron_patches.calibrate import calibrate, config, plan_calls
+    from megatron_patches.calibrate import calibrate, config, problem
     from megatron_patches.choice import candidates
     from megatron_patches.placement import Topology
     from megatron_patches.profile import load, save
@@ -184,7 +184,8 @@ def main(argv=None) -> dict:
     s, h, d, world = a.seq_per_rank, a.heads, a.head_dim, a.world
     sh = Shard(s, 1, h, h, d, 4, 4)
     cands = candidates(world, sh, [0] * world)
-    calls = plan_calls(world, s, h, d, "float32")  # as benchmarks.cost_model's
+    prob = problem(world, s, h, d, "float32")  # as benchmarks.cost_model's: exact calls, ring's step
+    calls = prob["calls"]
     load0 = " ".join(f"{x:.1f}" for x in os.getloadavg())
     with World(world, timeout=3600, start_timeout=900) as w:
         if a.calibrate:
@@ -192,7 +193,7 @@ def main(argv=None) -> dict:
             cfg = config(["--out", a.profile, "--clock", "cpu", "--reps", "5", "--rows", "128", "256", "512",
                           "1024", "2048", "4096", "--sizes-log2", "12", "22", "--heads", *map(str, heads),
                           "--head-dim", str(d), "--max-rows-x-heads", str(int(world ** 0.5) * s * h)])
-            save(calibrate({**cfg, "ranks": world, "calls": calls}, world=w)["cpu"], a.profile)
+            save(calibrate({**cfg, "ranks": world, **prob}, world=w)["cpu"], a.profile)
         per_rank = w.run(_measure, s, h, d, cands, a.rounds + 1, calls, timeout=3600)
     topo = Topology.from_profile(load(a.profile), world)
     same = Topology.from_profile(same_round_profile(topo.profile, per_rank, d), world)

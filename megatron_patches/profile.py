@@ -2,11 +2,11 @@
 two sources and nothing else:
 
 - ``measured``: microbenchmarks a user runs on their own ranks (``python -m megatron_patches.estimate
-  --calibrate PROFILE.json``, calibrate.py): point-to-point α/β inside a node (and across nodes where the
-  job has several), all-gather / reduce-scatter / all-to-all α and efficiency per group size, the attention
-  kernel's throughput per block size (forward, backward, full and causal blocks), the overlap of a hop
-  with a block's compute (at most 1; below 0 in a CPU-clock profile: the extra CPU the hop costs beside
-  the block), and a GEMM's throughput;
+  --calibrate --out PROFILE.json``, calibrate.py): point-to-point α/β inside a node (and across nodes
+  where the job has several), all-gather / reduce-scatter / all-to-all α and efficiency per group size,
+  the attention kernel's throughput per block size (forward, backward, full and causal blocks), the
+  overlap of a hop with a block's compute (at most 1; below 0 in a CPU-clock profile: the extra CPU the
+  hop costs beside the block), and a GEMM's throughput;
 - ``spec``: public specifications (specs.py: line rates, peak FLOP/s, the FlashAttention-2 paper's
   reported efficiency range), with every derivation written where it is made.
 

@@ -2,7 +2,7 @@
 ``deepspeed-atlas`` (examples/gpt/atlas.py starts it on two emulated data centers):
 
     python -m launch --atlas-topology T --wan-connections 8 --no_ssh --atlas-host w0 \\
-        examples/gpt/pipeline.py --deepspeed_config configs/gpt_cpu.json --out DIR [--stock-p2p]
+        examples/gpt/pipeline.py --deepspeed_config configs/gpt_cpu.json --out DIR [--rows stock,atlas]
 
 The plan puts stage 0 in one data center and stage 1 in the other, DP 2 inside each; the blocks are
 those of the main job (examples/gpt/model.py) with the whole sequence on every rank (plain causal

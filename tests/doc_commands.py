@@ -102,8 +102,9 @@ def _spans(text: str, tick: str) -> list[tuple[int, str]]:
     return [(m.start(), m.group(1).strip()) for m in re.finditer(pattern, text)]
 
 
-def readme(path: pathlib.Path = ROOT / "README.md") -> list[Printed]:
-    """The commands README.md prints, in order (see the module docstring)."""
+def readme(path: pathlib.Path = ROOT / "README.md", flags: bool = False) -> list[Printed]:
+    """The commands README.md prints, in order (see the module docstring); ``flags``: instead its spans
+    in prose that start with an option (`--atlas-sharing temporal`)."""
     lines = path.read_text().splitlines()
     out: list[Printed] = []
     fence, block, prose = None, [], []
@@ -132,16 +133,20 @@ def readme(path: pathlib.Path = ROOT / "README.md") -> list[Printed]:
             flush()
             prose.append((number, line))
     flush()
+    if flags:
+        out = []
+    keep = (lambda span: span.startswith("--")) if flags else starts_with_program
     for paragraph in _blocks(prose):   # a span may go on over a line break
-        out += _prose_commands(path.name, paragraph[0][0], "\n".join(x for _, x in paragraph), "`")
+        out += _prose_commands(path.name, paragraph[0][0], "\n".join(x for _, x in paragraph), "`", keep)
     return sorted(out, key=lambda p: int(p.where.rpartition(":")[2]))
 
 
-def _prose_commands(name: str, first_line: int, text: str, tick: str) -> list[Printed]:
-    """The spans of ``text`` (its first line is ``first_line`` of file ``name``) that start with a
-    program, each on one line."""
+def _prose_commands(name: str, first_line: int, text: str, tick: str,
+                    keep=starts_with_program) -> list[Printed]:
+    """The spans of ``text`` (its first line is ``first_line`` of file ``name``) that ``keep`` keeps
+    (those that start with a program), each on one line."""
     return [Printed(f"{name}:{first_line + text.count(chr(10), 0, offset)}", " ".join(span.split()), False)
-            for offset, span in _spans(text, tick) if starts_with_program(span)]
+            for offset, span in _spans(text, tick) if keep(span)]
 
 
 def _docstring_commands(rel: str, first_line: int, doc: str) -> list[Printed]:

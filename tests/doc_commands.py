@@ -7,14 +7,16 @@ Where a command is found (a *printed* command, :class:`Printed`):
   (:data:`PROGRAMS`, or a ``*.py`` script with arguments after it: a file name alone is a mention); the
   other lines of those blocks are output, JSON or Python; fences of another language are code. Every
   `single-backtick` span outside the fences that starts with a program.
-- the docstrings (module, class and function) of benchmarks/, megatron_patches/, launch/ and examples/:
-  every line of an indented block (past the docstring's own margin) whose first line starts with a
-  program (the usage lines; a block that starts otherwise is a table or a paragraph), and every
-  ``double-backtick`` span that starts with one.
+- the docstrings (module, class and function) of benchmarks/, megatron_patches/, launch/, examples/,
+  ds_plugins/ and commweave/: every line of an indented block (past the docstring's own margin) whose
+  first line starts with a program (the usage lines; a block that starts otherwise is a table or a
+  paragraph), and every ``double-backtick`` span that starts with one.
 
 Block lines are whole commands (``whole``); a span may instead refer to a program's options in prose
-(`deepspeed-atlas --no_ssh`), which the checks allow for (tests/argv_check.py). A logical line
-is a physical line less a trailing `` # comment``, joined to the next while it ends in ``\\``.
+(`deepspeed-atlas --no_ssh`), which the checks allow for (tests/argv_check.py). ``readme(flags=True)``
+gives instead the README's spans in prose that start with an option (`--atlas-sharing temporal`). A
+logical line is a physical line less a trailing `` # comment``, joined to the next while it ends in
+``\\``.
 
 How a line printed for people becomes the argument vectors a program receives (:func:`argvs`): shell
 quoting as ``shlex`` reads it; ``&&``, ``||`` and ``;`` separate commands, each checked on its own. The
@@ -46,7 +48,7 @@ from dataclasses import dataclass
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROGRAMS = {"python", "python3", "deepspeed", "deepspeed-atlas", "torchrun", "flock", "pip", "pip3", "pytest",
             "git", "bash"}
-CODE_PACKAGES = ("benchmarks", "megatron_patches", "launch", "examples")
+CODE_PACKAGES = ("benchmarks", "megatron_patches", "launch", "examples", "ds_plugins", "commweave")
 SEPARATORS = {"&&", "||", ";"}
 ELIDED = "..."
 _ENV = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
@@ -127,7 +129,7 @@ def readme(path: pathlib.Path = ROOT / "README.md", flags: bool = False) -> list
         if opened:
             flush()
             fence = opened.group(1)
-        elif line.startswith("    ") and (block or not lines[number - 2].strip()):
+        elif line.startswith("    ") and (block or number == 1 or not lines[number - 2].strip()):
             block.append((number, line))
         else:
             flush()

@@ -141,6 +141,28 @@ def test_the_overlap_is_measured_at_ring_attentions_own_step():
     assert (plain["overlap_calls"], plain["overlap_bytes"], plain["overlap_rows"]) == ([], 1 << 20, 512)
 
 
+def test_the_all_gather_is_timed_in_place_as_the_team_gathers(monkeypatch):
+    """calibrate's all-gather hands comm the rank's own slot of the gathered buffer as its input, as
+    team.gather_team hands its wire (so the pairwise all-gather's copy onto the slot is a no-op in both);
+    the other two collectives keep their separate input and output."""
+    import torch
+
+    from commweave import comm
+    from megatron_patches.calibrate import _collective
+
+    got = []
+    monkeypatch.setattr(comm, "size", lambda group: 2)
+    monkeypatch.setattr(comm, "rank", lambda group: 1)
+    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        monkeypatch.setattr(comm, kind, lambda out, inp, group, kind=kind: got.append((kind, out, inp)))
+        _collective(kind, "team", 1 << 16, torch.device("cpu"))()
+    (_, out, inp), rs, a2a = got
+    assert out.numel() == (1 << 16) // 4 and inp.numel() == out.numel() // 2
+    assert inp.data_ptr() == out.view(2, -1)[1].data_ptr() and inp.is_contiguous()
+    for _, out, inp in (rs, a2a):
+        assert out.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr()
+
+
 def test_host_work_is_the_tiny_runs_less_the_models_price():
     """profile_from's host table: each plan's tiny time (host.py) minus choice.plan_s of that tiny problem
     under the profile without host work; at least 0."""

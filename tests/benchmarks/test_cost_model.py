@@ -290,7 +290,7 @@ def test_the_model_ranks_the_candidates_as_measured_p4(capsys):
     by 5-7% (the SD of its log, median over 8 runs of 11 rounds on 2026-12-03; 3-11% per run), so a 3%
     difference (ring attention against C = 2 measured 3-6% apart in session 9) takes about 10 rounds to
     resolve (the paired mean, 95% one-sided), and 3-round subsets of runs whose 11 rounds met the bar met
-    it in 65-95% of them. Skipped unless COMMWEAVE_COST_MODEL_RANKING=1, because on this shared 2-core
+    it in 65-96% of them. Skipped unless COMMWEAVE_COST_MODEL_RANKING=1, because on this shared 2-core
     machine it does not hold reliably: the README's runs give tau-b 0.33-1.00 at P = 4 without the tie rule
     (met in 4 of 9; the misses mostly ring and C = 2 a few % apart, swapped) and 0.55-1.00 with it."""
     out = main(["--worlds", "4", "--seq-per-rank", "512", "--heads", "8", "--head-dim", "64", "--reps", "11",

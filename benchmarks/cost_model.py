@@ -199,6 +199,7 @@ def world_table(world: int, args, calib_cfg: dict) -> dict:
             series.append(ser)
             q1, _, q3 = statistics.quantiles(ser, n=4, method="inclusive")
             rows.append({"name": n, "measured_ms": 1e3 * statistics.median(ser),
+                         "series_ms": [1e3 * t for t in ser],  # per round, for paired ratios afterwards
                          "iqr_pct": 100 * (q3 - q1) / statistics.median(ser),
                          "predicted_ms": 1e3 * plan_s(world, sh, nodes, topo, u, c, order),
                          "drift_predicted_ms": 1e3 * plan_s(world, sh, nodes, at_drift, u, c, order),

@@ -24,6 +24,7 @@ the steps (same_round_profile): a kernel gap left there is in how a step runs it
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -173,6 +174,7 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--profile", required=True, help="a CPU-clock profile (written first with --calibrate)")
     p.add_argument("--calibrate", action="store_true")
+    p.add_argument("--json-out", default=None, help="also write the per-candidate figures (seconds) here")
     a = p.parse_args(argv)
     from commweave.world import World
     from megatron_patches.calibrate import calibrate, config, problem
@@ -226,6 +228,10 @@ def main(argv=None) -> dict:
     for key, got in out.items():
         print(f"  {key:<18}" + "  ".join(f"{m} {1e3 * t:.1f} ({n:g})" for m, (t, n) in got["calls"].items()
                                          if n))
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump({"load": [load0, load1], "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       "candidates": out}, f, indent=1)
     return out
 
 

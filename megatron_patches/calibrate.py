@@ -12,7 +12,12 @@ time too. Each figure is the median over ``--reps`` repetitions of the slowest r
   as a sub-ring hop does) at sizes 2^12..2^(12+k) bytes; α, β by least squares (cost.fit).
 - ``collectives``: all-gather, reduce-scatter and all-to-all (commweave.comm, as wallfacer.py calls them)
   in groups of g consecutive ranks for every g > 1 dividing the ranks, all groups at once; α_g and
-  β_g fitted against the bytes each rank moves, n·(g−1)/g; efficiency = β_intra / β_g.
+  β_g fitted against the bytes each rank moves, n·(g−1)/g; efficiency = β_intra / β_g. The all-gather's
+  input is the rank's own slot of the output, as team.gather_team passes its wire (the q, k, v and the
+  dO, D of C > 1 travel so): gloo's pairwise all-gather then skips the copy of the input onto the slot,
+  which from a separate input cost 0.5 ms of a 1.8 ms all-gather of 3 MiB per rank in groups of 2 at
+  P = 4 (CPU, paired, 40 reps; C = 2's team gathers of q, k, v). The lse gather, from its own tensor,
+  moves 16 KiB per rank there.
 - ``attention``: the per-block kernel wallfacer.py selects (block.select_kernel "auto"), on square
   blocks of n rows for n in --rows with each of --heads heads (the model's heads per rank and per
   Ulysses size: a call's fixed costs are spread over its heads too), full and causal, on strided
@@ -178,9 +183,9 @@ def _collective(kind: str, group, n: int, device):
     from commweave import comm
 
     g = comm.size(group)
-    if kind == "all_gather":  # n = the gathered buffer
-        inp, out = torch.empty(n // 4 // g, device=device), torch.empty(n // 4 // g * g, device=device)
-        return lambda: comm.all_gather(out, inp, group)
+    if kind == "all_gather":  # n = the gathered buffer, in place as team.gather_team gathers (docstring)
+        out = torch.empty(g, n // 4 // g, device=device)
+        return lambda: comm.all_gather(out, out[comm.rank(group)], group)
     inp = torch.ones(n // 4 // g * g, device=device)
     out = torch.empty(n // 4 // g, device=device) if kind == "reduce_scatter" else torch.empty_like(inp)
     fn = comm.reduce_scatter if kind == "reduce_scatter" else comm.all_to_all

@@ -10,12 +10,25 @@ measures a plan's code at 16 rows per rank, where that traffic is small; at a tr
 
 Count (:func:`traced_bytes`): a TorchDispatchMode sees every ATen op the call runs on this rank. Each op
 that is not a view and not a collective (c10d) counts the bytes of its tensor inputs plus those of its
-outputs that are not one of its inputs (an in-place op's result is its first input: counted once). So a
-copy counts source + destination, a zeroing its buffer once, an add_ both operands. Ops inside
-steps.attend / steps.attend_backward (:func:`kernel_part`: the blocks, their merges and accumulations,
-what the curves already price) are not counted. The traffic of a dense plan is linear in the rows per
-rank s (every op's tensors are row ranges of [s, b, h, d] or [C·s, ...] buffers; the number of ops is set
-by the plan's structure), so two traced sizes give it exactly:
+outputs that are new memory (an in-place op's result is its first input: counted once). So a copy counts
+source + destination, a zeroing its buffer once, an add_ both operands. Not counted, because something
+else prices them or nothing moves:
+
+- ops inside steps.attend / steps.attend_backward (:func:`kernel_part`: the blocks, their merges and
+  accumulations, what the curves already price);
+- ops inside commweave.comm's message functions (MESSAGE_FUNCTIONS: the collectives, the point-to-point
+  posts, the waits that finish them): the calibration's link and collective microbenchmarks time those
+  very functions, so their copies (the pairwise all-gather's copy of a rank's input onto its slot, a
+  no-op when, as in team.gather_team, the input is that slot) and the reduce-scatter's sum are in the
+  messages' measured seconds already (P = 4, 512 rows x 8 heads: 103 of C = 2's 261 kB per row);
+- allocations (ALLOCATIONS: empty, empty_like, new_empty, ...) touch no byte (whatever fills the buffer
+  counts it), and an op that writes nothing and returns only its inputs' storage (_unsafe_view, a view
+  the schema does not mark) moves nothing: counted as inputs plus a new output, these gave U = 2 and
+  U = 4 at P = 4 72 kB per row of their 216 and 189 kB, C = 2 8 kB, ring attention none.
+
+The traffic of a dense plan is linear in the rows per rank s (every op's tensors are row ranges of
+[s, b, h, d] or [C·s, ...] buffers; the number of ops is set by the plan's structure), so two traced sizes
+give it exactly:
 
     row_bytes(U, C, order) = (bytes(2·HOST_ROWS) − bytes(HOST_ROWS)) / HOST_ROWS      per rank and row
 
@@ -34,8 +47,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 COPY_BYTES = 4 << 20   # the copy the bandwidth is measured on: 4 MiB, the order of one [s, b, h, d] buffer
+# ATen ops that only allocate (the module docstring); their overload packets' names.
+ALLOCATIONS = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
+# commweave.comm's functions whose work the link and collective microbenchmarks time (calibrate.py):
+# (owner attribute path, name). Handle.wait holds the reduce-scatter's sum (its finish step).
+MESSAGE_FUNCTIONS = (("", "all_gather"), ("", "reduce_scatter"), ("", "all_to_all"), ("", "batch_p2p"),
+                     ("Handle", "wait"))
 
 _active: list[_Traffic] = []
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 class _Traffic(TorchDispatchMode):
@@ -45,13 +68,16 @@ class _Traffic(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.paused or func.is_view or func.namespace == "c10d":
+        if self.paused or func.is_view or func.namespace == "c10d" \
+                or func.overloadpacket.__name__ in ALLOCATIONS:
             return out
         ins = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        seen = {id(t) for t in ins}
+        seen = {_storage(t) for t in ins}
+        if outs and not func._schema.is_mutable and all(_storage(t) in seen for t in outs):
+            return out  # an alias the schema does not mark as a view (_unsafe_view): nothing moves
         self.bytes += sum(t.numel() * t.element_size() for t in ins)
-        self.bytes += sum(t.numel() * t.element_size() for t in outs if id(t) not in seen)
+        self.bytes += sum(t.numel() * t.element_size() for t in outs if _storage(t) not in seen)
         return out
 
 
@@ -68,12 +94,41 @@ def kernel_part():
         _active[-1].paused -= 1
 
 
+def _paused(fn):
+    """``fn`` with the innermost count paused while it runs (kernel_part as a wrapper)."""
+    def inner(*args, **kwargs):
+        with kernel_part():
+            return fn(*args, **kwargs)
+    return inner
+
+
+@contextlib.contextmanager
+def _messages_paused():
+    """commweave.comm's MESSAGE_FUNCTIONS wrapped to pause the count while the trace runs, restored after
+    (the callers look them up on the module or the class at each call, as wallfacer.py, team.py and
+    groups.py do)."""
+    from commweave import comm
+
+    saved = []
+    for path, name in MESSAGE_FUNCTIONS:
+        owner = getattr(comm, path) if path else comm
+        saved.append((owner, name, owner.__dict__[name]))
+    try:
+        for owner, name, fn in saved:
+            setattr(owner, name, _paused(fn))
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
 def traced_bytes(fn) -> int:
-    """Bytes ``fn()`` moves outside its kernel parts on this rank (the count in the module docstring)."""
+    """Bytes ``fn()`` moves outside its kernel parts and messages on this rank (the count in the module
+    docstring)."""
     mode = _Traffic()
     _active.append(mode)
     try:
-        with mode:
+        with _messages_paused(), mode:
             fn()
     finally:
         _active.pop()

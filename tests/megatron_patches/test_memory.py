@@ -1,5 +1,6 @@
-"""Memory traffic (memory.py): the traced count by hand on known ops, the kernel part left out, the per-row
-slope, the profile's field (round trip, refusals) and its price in plan seconds."""
+"""Memory traffic (memory.py): the traced count by hand on known ops, the kernel part, the message functions
+and allocations left out, the per-row slope, the profile's field (round trip, refusals) and its price in
+plan seconds."""
 
 import re
 from dataclasses import replace
@@ -23,6 +24,47 @@ def test_count_is_inputs_plus_new_outputs_and_skips_views_and_the_kernel_part():
         with memory.kernel_part():
             _ = a * b + z              # priced by the curves: 0
     assert memory.traced_bytes(ops) == 4000 + 8000 + 8000 + 3960
+
+
+def test_allocations_and_unmarked_aliases_move_nothing():
+    a, b = torch.ones(1000), torch.ones(1000)
+
+    def ops():
+        torch.empty(1000)                          # allocations: 0
+        torch.empty_like(a)
+        a.new_empty(500)
+        torch.ops.aten._unsafe_view(a, (10, 100))  # a's storage again, nothing written: 0
+        e = torch.empty(1000)
+        e.copy_(b)                                 # the fill counts the buffer: src + dst, 8000
+    assert memory.traced_bytes(ops) == 8000
+
+
+def test_ops_inside_the_message_functions_are_priced_by_their_microbenchmarks_not_counted(monkeypatch):
+    """Whatever comm's collectives, posts and waits run (the pairwise all-gather's copy, the reduce-scatter's
+    sum) is not counted; the same ops outside them are; the functions are restored after the trace."""
+    from commweave import comm
+
+    a, b = torch.ones(1000), torch.ones(1000)
+
+    def collective(out, inp, group):
+        out.copy_(inp)
+        return torch.sum(torch.stack((out, inp)), dim=0)
+
+    def wait(self, timeout=None):
+        a.add_(b)
+        return True
+    monkeypatch.setattr(comm, "all_gather", collective)
+    monkeypatch.setattr(comm, "reduce_scatter", collective)
+    monkeypatch.setattr(comm.Handle, "wait", wait)
+    handle = comm.Handle([], "test", "nowhere")
+
+    def ops():
+        comm.all_gather(a, b, None)
+        comm.reduce_scatter(a, b, None)
+        handle.wait()
+        a.add_(b)                                  # outside: both operands, 8000
+    assert memory.traced_bytes(ops) == 8000
+    assert (comm.all_gather, comm.reduce_scatter, comm.Handle.wait) == (collective, collective, wait)
 
 
 def test_row_bytes_is_the_slope_between_two_sizes():

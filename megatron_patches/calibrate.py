@@ -1,7 +1,7 @@
 """Measure this machine's cost profile (profile.py) with microbenchmarks, and write it for ``auto``:
 
     python -m megatron_patches.estimate --calibrate --ranks 8 --out profile.json
-    python -m megatron_patches.calibrate --ranks 1 --device cuda --dtype bf16 --out gpu.json  # one GPU
+    python -m megatron_patches.calibrate --ranks 1 --device cuda --dtype bfloat16 --out gpu.json  # one GPU
 
 Every microbenchmark runs on all ``--ranks`` ranks at once (gloo processes on this machine, as the
 attention benchmark and a CPU job run them), because that is how the ranks of a step share the machine:

@@ -18,12 +18,6 @@ from tests import doc_commands as docs
 from tests.argv_check import Refused, fill, reference
 from tests.programs import check, megatron_parser, parsers, programs
 
-# Broken where this branch may not edit (another helper's files): the fix is in the report
-# (/work/notes/reports/readme-cmds.md); strict, so the entry must go when the text is fixed.
-KNOWN_BROKEN = {
-    "megatron_patches/calibrate.py:4": "--dtype bf16: calibrate's --dtype is float32, bfloat16 or float16",
-}
-
 
 def _printed() -> dict[tuple[str, bool], list[str]]:
     """Each distinct printed command (text, usage line or span) with the places that print it."""
@@ -40,9 +34,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*found in sys.modules after imp
 
 def _params():
     for (text, whole), where in PRINTED.items():
-        broken = [KNOWN_BROKEN[w] for w in where if w in KNOWN_BROKEN]
-        marks = [pytest.mark.xfail(strict=True, reason=broken[0])] if broken else []
-        yield pytest.param(text, whole, id=where[0], marks=marks)
+        yield pytest.param(text, whole, id=where[0])
 
 
 @pytest.mark.parametrize("text,whole", list(_params()))

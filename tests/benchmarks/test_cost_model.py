@@ -280,8 +280,8 @@ def test_kernel_drift_is_the_reference_calls_over_their_calibrated_price():
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("COMMWEAVE_COST_MODEL_RANKING") != "1",
-                    reason="the bar (tau-b >= 0.8, pick within 5%) is not met reliably on a shared 2-core "
-                    "machine (README 'The cost model'); COMMWEAVE_COST_MODEL_RANKING=1 runs it, strictly")
+                    reason="a timed check (about 90 s alone here; speed lives in benchmarks, README "
+                    "'The cost model'); COMMWEAVE_COST_MODEL_RANKING=1 runs it, strictly")
 def test_the_model_ranks_the_candidates_as_measured_p4(capsys):
     """P = 4 as the README's runs (8 heads x 64, 512 rows per rank; U = 1 C = 1 / 2, U = 2 C = 1,
     U = 4 C = 1), with their calibration (block sizes 128 .. 4096 at 8, 4, 2, 1 heads, every exact call of
@@ -290,9 +290,11 @@ def test_the_model_ranks_the_candidates_as_measured_p4(capsys):
     by 5-7% (the SD of its log, median over 8 runs of 11 rounds on 2026-12-03; 3-11% per run), so a 3%
     difference (ring attention against C = 2 measured 3-6% apart in session 9) takes about 10 rounds to
     resolve (the paired mean, 95% one-sided), and 3-round subsets of runs whose 11 rounds met the bar met
-    it in 65-96% of them. Skipped unless COMMWEAVE_COST_MODEL_RANKING=1, because on this shared 2-core
-    machine it does not hold reliably: the README's runs give tau-b 0.33-1.00 at P = 4 without the tie rule
-    (met in 4 of 9; the misses mostly ring and C = 2 a few % apart, swapped) and 0.55-1.00 with it."""
+    it in 65-96% of them. Skipped unless COMMWEAVE_COST_MODEL_RANKING=1: it times the machine, and on this
+    shared 2-core machine its result depends on the load. Through session 9 it held at P = 4 in about half
+    the README's runs (tau-b 0.33-1.00, the misses mostly ring and C = 2 a few % apart, swapped); with the
+    memory count and the in-place all-gather of session 10 in 8 of 8 benchmark runs and 4 of 4 runs of this
+    test (README, "Latest runs")."""
     out = main(["--worlds", "4", "--seq-per-rank", "512", "--heads", "8", "--head-dim", "64", "--reps", "11",
                 "--calib-reps", "9", "--rows", "128", "256", "512", "1024", "2048", "4096",
                 "--sizes-log2", "12", "22"])
